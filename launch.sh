@@ -72,13 +72,13 @@ if [ "$EXPECT_GPUS" = 1 ]; then
 else
   NPROC_PER_NODE=${NPROC_PER_NODE:-2}  # two gloo processes: the distributed code paths run on a laptop too
 fi
-[ "$NPROC_PER_NODE" -ge 1 ] 2>/dev/null || fail "processes per node" "NPROC_PER_NODE=$NPROC_PER_NODE is not a positive number -> set NPROC_PER_NODE=1 or more"
+[[ "$NPROC_PER_NODE" =~ ^[0-9]+$ ]] || fail "processes per node" "NPROC_PER_NODE=$NPROC_PER_NODE is not a number -> set NPROC_PER_NODE=1 or more"
 WORLD_SIZE=$((NNODES * NPROC_PER_NODE))
 
 # One OpenMP thread pool per process, sharing the cores: without this each of N processes starts
 # one thread per core and they fight over the machine.
 CORES=$(nproc 2>/dev/null || echo 2)
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( CORES / NPROC_PER_NODE > 0 ? CORES / NPROC_PER_NODE : 1 ))}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( NPROC_PER_NODE > 0 && CORES / NPROC_PER_NODE > 0 ? CORES / NPROC_PER_NODE : 1 ))}
 # A failed NCCL collective tears the process down, so torchrun sees it, instead of hanging the job.
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
 if [ "$LAUNCH_DEVICE" = cpu ]; then export CUDA_VISIBLE_DEVICES=""; fi
@@ -98,10 +98,14 @@ check_script() {
 }
 
 check_python() {
-  local modules=torch version
-  [ "$IS_TRAINER" = 1 ] && modules="torch,transformers,tokenizers,pyarrow,yaml"
-  version=$("$PYTHON" -c "import $modules, sys; print(f'torch {torch.__version__}, Python {sys.version.split()[0]}')" 2>/dev/null) ||
-    fail "python and torch" "'$PYTHON' cannot import $modules -> pip install -r $HERE/requirements.txt, or set PYTHON=/path/to/python"
+  local version missing
+  version=$("$PYTHON" -c "import torch, sys; print(f'torch {torch.__version__}, Python {sys.version.split()[0]}')" 2>/dev/null) ||
+    fail "python and torch" "'$PYTHON' cannot import torch -> pip install -r $HERE/requirements.txt, or set PYTHON=/path/to/python"
+  if [ "$IS_TRAINER" = 1 ]; then
+    missing=$("$PYTHON" -c "import importlib.util as u
+print(' '.join(m for m in ['transformers', 'tokenizers', 'pyarrow', 'yaml', 'numpy'] if u.find_spec(m) is None))")
+    [ -z "$missing" ] || fail "python and torch" "'$PYTHON' cannot import $missing -> pip install -r $HERE/requirements.txt"
+  fi
   report "python and torch" "ok ($version)"
 }
 
@@ -131,6 +135,7 @@ print('.'.join(map(str, v)))" 2>/dev/null || echo 0.0.0)
 }
 
 check_processes() {
+  [ "$NPROC_PER_NODE" -ge 1 ] || fail "processes per node" "NPROC_PER_NODE=$NPROC_PER_NODE -> set NPROC_PER_NODE=1 or more"
   if [ "$EXPECT_GPUS" = 1 ] && [ "$NPROC_PER_NODE" -gt "${TORCH_GPUS:-0}" ]; then
     fail "processes per node" "NPROC_PER_NODE=$NPROC_PER_NODE but only ${TORCH_GPUS:-0} GPUs are visible -> set NPROC_PER_NODE=${TORCH_GPUS:-0} or fewer"
   fi

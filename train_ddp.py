@@ -16,6 +16,7 @@ import difflib
 import json
 import math
 import os
+import re
 import shutil
 import sys
 import time
@@ -69,13 +70,25 @@ def flatten(tree, prefix=""):
     return flat
 
 
+class ConfigLoader(yaml.SafeLoader):
+    """YAML that reads 3e-4 as a float: PyYAML follows YAML 1.1, where a float needs a dot, so a
+    learning rate written 3e-4 would silently become the string '3e-4'."""
+
+
+ConfigLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$|^[-+]?(?:[0-9][0-9_]*)?\.[0-9_]+(?:[eE][-+]?[0-9]+)?$"),
+    list("-+0123456789."),
+)
+
+
 def parse_value(key, text, default):
     """Give an override the type of its default: a typo such as lr=3e-4x fails here, not at step 1000."""
     if isinstance(default, str):
         value = text
     else:
         try:
-            value = yaml.safe_load(text)
+            value = yaml.load(text, Loader=ConfigLoader)
         except yaml.YAMLError:
             value = text
         if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
@@ -95,7 +108,7 @@ def load_config(args, use_cuda):
     if not config_path.is_file():
         die(f"config file {config_path} not found -> pass the path of a config.yaml as first argument")
     try:
-        flat = flatten(yaml.safe_load(config_path.read_text()))
+        flat = flatten(yaml.load(config_path.read_text(), Loader=ConfigLoader))
     except yaml.YAMLError as error:
         die(f"{config_path} is not valid YAML ({str(error).splitlines()[0]}) -> fix that line")
     cpu_preset = flat.pop("cpu_preset", None) or {}
@@ -683,8 +696,8 @@ def load_checkpoint(path, raw_model, optimizer, scheduler, scaler, flat_config, 
         saved_config = train_state["config"]
         for key in ["model.type", "model.task", "model.n_layer", "model.n_head", "model.n_embd", "model.pretrained"]:
             if saved_config.get(key) != flat_config[key]:
-                die(f"checkpoint {path} was trained with {key}={saved_config.get(key)}, the config says "
-                    f"{flat_config[key]} -> pass {key}={saved_config.get(key)}, or use another checkpoint.dir")
+                die(f"checkpoint {path} was trained with {key}={saved_config.get(key)}, this run has "
+                    f"{key}={flat_config[key]} -> pass {key}={saved_config.get(key)}, or use another checkpoint.dir")
         raw_model.load_state_dict(torch.load(path / "model.pt", weights_only=True, map_location="cpu"))
         optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True, map_location="cpu"))
         scheduler.load_state_dict(train_state["scheduler"])
