@@ -1,8 +1,9 @@
 """The tests: CPU only, gloo, tiny models, real torchrun processes where the behaviour is distributed.
 
-    python -m pytest -q test_smoke.py
+    python3 -m pytest -q test_smoke.py
 """
 
+import hashlib
 import json
 import os
 import random
@@ -10,15 +11,21 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 REPO = Path(__file__).resolve().parent
 sys.path.insert(0, str(REPO))
+import preprocess  # noqa: E402
 import train_ddp  # noqa: E402
+from stress_test import OPS, parse_size  # noqa: E402
 
 TINY_MODEL = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "train.seq_len=64"]
 
@@ -420,3 +427,381 @@ def test_each_launch_check_fails_with_its_message(case, data_dir, tmp_path, busy
     assert " -> " in failures[0]  # every failure says how to fix it
     assert "launching:" not in result.stdout
     assert "Traceback" not in result.stdout + result.stderr
+
+
+# ----------------------------------------------------------------------------- preprocess.py
+
+SPECIAL_ROLES = ["eot", "pad", "mask", "cls", "sep"]
+
+
+def run_preprocess(*args):
+    return subprocess.run([sys.executable, "preprocess.py", *map(str, args)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+
+
+def make_corpus(root):
+    """A directory of text files, a jsonl and a parquet file; returns them with their documents in order."""
+    texts_dir = root / "texts"
+    for i in range(30):
+        path = texts_dir / f"part{i % 3}" / f"doc{i:02d}.{'md' if i % 4 == 0 else 'txt'}"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        line = f"Document {i}: def f{i}(x):\n    return x * {i}  # naïve ünïcödé, 漢字, emoji 🐍\n"
+        path.write_text(line * (i + 1))
+    (texts_dir / "empty.txt").write_text("")  # skipped: no document
+    (texts_dir / "notes.csv").write_text("not,taken")  # not in --ext
+    (texts_dir / "contains_eot.txt").write_text("a literal <|endoftext|> is just text\n")
+    (texts_dir / "latin1.txt").write_bytes("caf\xe9 cr\xe8me".encode("latin-1"))
+    jsonl = root / "lines.jsonl"
+    jsonl_texts = [f"jsonl line {i}\nwith\ttabs and  spaces {'x' * i}" for i in range(20)]
+    jsonl.write_text("\n".join(json.dumps({"text": t, "id": i}) for i, t in enumerate(jsonl_texts)) + "\n")
+    parquet = root / "table.parquet"
+    parquet_texts = [f"parquet row {i} " + "word " * i for i in range(25)]
+    pq.write_table(pa.table({"text": parquet_texts, "n": list(range(25))}), parquet, row_group_size=7)
+
+    documents = []  # (key, text) in the order preprocess.py must write them
+    for path in sorted(texts_dir.rglob("*"), key=lambda p: p.relative_to(texts_dir).as_posix()):
+        if path.suffix in (".txt", ".md") and path.stat().st_size:
+            documents.append((path.relative_to(texts_dir).as_posix(), path.read_bytes().decode("utf-8", "replace")))
+    documents += [(f"lines.jsonl:{i + 1}", t) for i, t in enumerate(jsonl_texts)]
+    documents += [(f"table.parquet:{i}", t) for i, t in enumerate(parquet_texts) if t]
+    return [texts_dir, jsonl, parquet], documents
+
+
+def in_val(key, val_fraction):
+    h = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
+    return h % 1_000_000 < round(val_fraction * 1_000_000)
+
+
+def read_rows(out, split):
+    meta = json.loads((out / "meta.json").read_text())
+    rows = []
+    for name in meta["splits"][split]["files"]:
+        table = pa.ipc.open_file(pa.memory_map(str(out / name))).read_all()
+        assert table.schema.field("input_ids").type == pa.list_(pa.uint16())
+        rows += table.column("input_ids").to_pylist()
+    return rows
+
+
+def file_state(out):
+    return {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in sorted(out.iterdir())}
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    return make_corpus(tmp_path)
+
+
+def test_round_trip_decodes_every_row_to_its_document_and_meta_matches(tmp_path, corpus):
+    inputs, documents = corpus
+    out = tmp_path / "out"
+    result = run_preprocess("--input", *inputs, "--out", out, "--vocab-size", 300, "--val-fraction", 0.25)
+    assert result.returncode == 0, result.stderr
+    assert "invalid UTF-8 replaced by U+FFFD in 1 documents" in result.stdout
+    meta = json.loads((out / "meta.json").read_text())
+    tokenizer = Tokenizer.from_file(str(out / meta["tokenizer_file"]))
+    eot = meta["special_tokens"]["eot"]
+    assert meta["special_tokens"] == dict(zip(SPECIAL_ROLES, range(5)))
+    assert meta["tokenizer_trained"] and meta["eot_appended"] and meta["token_dtype"] == "uint16"
+    assert meta["vocab_size"] == tokenizer.get_vocab_size(with_added_tokens=True) == len(meta["token_counts"])
+    for split in ("train", "val"):
+        expected = [text for key, text in documents if in_val(key, 0.25) == (split == "val")]
+        rows = read_rows(out, split)
+        assert len(rows) == len(expected) == meta["splits"][split]["documents"] > 0
+        assert sum(map(len, rows)) == meta["splits"][split]["tokens"]
+        for row, text in zip(rows, expected):
+            assert row[-1] == eot and eot not in row[:-1]  # the literal "<|endoftext|>" stays text
+            assert tokenizer.decode(row[:-1], skip_special_tokens=False) == text
+    assert sum(meta["token_counts"]) == meta["splits"]["train"]["tokens"]
+    utf8_bytes = sum(len(text.encode()) for key, text in documents if key != "latin1.txt")
+    assert meta["bytes"] == utf8_bytes + len("café crème")  # the latin-1 file counts its bytes as read
+
+
+def test_same_inputs_give_identical_files(tmp_path, corpus):
+    inputs, _ = corpus
+    for out in ("a", "b"):
+        assert run_preprocess("--input", *inputs, "--out", tmp_path / out, "--vocab-size", 300).returncode == 0
+    files_a, files_b = sorted((tmp_path / "a").iterdir()), sorted((tmp_path / "b").iterdir())
+    assert [p.name for p in files_a] == [p.name for p in files_b]
+    for a, b in zip(files_a, files_b):
+        if a.name == "meta.json":
+            meta_a, meta_b = json.loads(a.read_text()), json.loads(b.read_text())
+            meta_a.pop("created"), meta_b.pop("created")
+            assert meta_a == meta_b
+        else:
+            assert a.read_bytes() == b.read_bytes(), a.name
+
+
+def test_rerun_is_noop_changed_inputs_need_force(tmp_path, corpus):
+    inputs, _ = corpus
+    out = tmp_path / "out"
+    args = ["--input", *inputs, "--out", out, "--vocab-size", 300]
+    assert run_preprocess(*args).returncode == 0
+    before = file_state(out)
+
+    again = run_preprocess(*args)
+    assert again.returncode == 0 and "up to date" in again.stdout and "training a" not in again.stdout
+    assert file_state(out) == before
+
+    (inputs[0] / "part0" / "doc00.md").write_text("changed")
+    changed = run_preprocess(*args)
+    assert changed.returncode == 2 and changed.stderr.startswith("error:") and "--force" in changed.stderr
+    assert file_state(out) == before
+
+    forced = run_preprocess(*args, "--force")
+    assert forced.returncode == 0, forced.stderr
+    meta_before, meta_after = json.loads(before["meta.json"][1]), json.loads((out / "meta.json").read_text())
+    assert meta_after["fingerprint"] != meta_before["fingerprint"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["texts", "lines.jsonl", "table.parquet", "out"])
+
+
+def test_killed_run_leaves_no_partial_output_and_the_next_run_removes_its_leftovers(tmp_path):
+    corpus = tmp_path / "big"
+    corpus.mkdir()
+    for i in range(40):  # ~4 MB: the tokenize stage lasts long enough to be caught in the middle
+        (corpus / f"{i}.txt").write_text(" ".join(f"word{j * i % 9973}" for j in range(12_000)))
+    out = tmp_path / "out"
+    args = [sys.executable, "preprocess.py", "--input", corpus, "--out", out, "--vocab-size", "300"]
+    process = subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    temp_dir = tmp_path / f"out.tmp-{process.pid}"
+    while process.poll() is None and not (temp_dir / "tokenizer.json").exists():
+        time.sleep(0.005)
+    process.kill()
+    process.wait()
+    if out.exists():  # it finished before the kill: then it must be complete
+        meta = json.loads((out / "meta.json").read_text())
+        assert all((out / name).exists() for split in meta["splits"].values() for name in split["files"])
+    else:
+        assert temp_dir.exists() and not (temp_dir / "meta.json").exists()
+    result = run_preprocess("--input", corpus, "--out", out, "--vocab-size", 300)
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big", "out"]
+
+
+def test_existing_tokenizer_is_reused_without_training(tmp_path, corpus):
+    inputs, _ = corpus
+    first = tmp_path / "first"
+    assert run_preprocess("--input", *inputs, "--out", first, "--vocab-size", 300).returncode == 0
+    for tokenizer_arg in (first / "tokenizer.json", first):  # the file, or a directory holding it
+        out = tmp_path / f"reuse_{tokenizer_arg.name}"
+        result = run_preprocess("--input", *inputs, "--out", out, "--tokenizer", tokenizer_arg)
+        assert result.returncode == 0, result.stderr
+        assert "training a" not in result.stdout and "added" not in result.stdout
+        meta = json.loads((out / "meta.json").read_text())
+        assert not meta["tokenizer_trained"]
+        assert (out / "tokenizer.json").read_bytes() == (first / "tokenizer.json").read_bytes()
+        for split in ("train", "val"):
+            assert read_rows(out, split) == read_rows(first, split)
+
+
+def test_tokenizer_lacking_special_tokens_gets_them_added(tmp_path, corpus):
+    inputs, documents = corpus
+    plain = Tokenizer(models.BPE())
+    plain.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    plain.train_from_iterator([text for _, text in documents], trainers.BpeTrainer(
+        vocab_size=280, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    plain.save(str(tmp_path / "plain.json"))
+    base_size = plain.get_vocab_size(with_added_tokens=True)
+
+    out = tmp_path / "out"
+    result = run_preprocess("--input", *inputs, "--out", out, "--tokenizer", tmp_path / "plain.json")
+    assert result.returncode == 0, result.stderr
+    added_lines = [line for line in result.stdout.splitlines() if "added" in line]
+    assert len(added_lines) == 1 and "<|endoftext|>" in added_lines[0]
+    meta = json.loads((out / "meta.json").read_text())
+    assert sorted(meta["special_tokens"].values()) == list(range(base_size, base_size + 5))
+    saved = Tokenizer.from_file(str(out / "tokenizer.json"))
+    assert saved.token_to_id("<|endoftext|>") == meta["special_tokens"]["eot"]
+    assert all(row[-1] == meta["special_tokens"]["eot"] for row in read_rows(out, "train"))
+
+
+def test_known_special_token_names_are_found_in_other_tokenizers(tmp_path, corpus):
+    inputs, documents = corpus
+    roberta_like = Tokenizer(models.BPE())
+    roberta_like.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    roberta_like.train_from_iterator([text for _, text in documents], trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<s>", "<pad>", "</s>", "<mask>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    roberta_like.save(str(tmp_path / "roberta.json"))
+    result = run_preprocess("--input", *inputs, "--out", tmp_path / "out", "--tokenizer", tmp_path / "roberta.json")
+    assert result.returncode == 0 and "added" not in result.stdout, result.stderr
+    meta = json.loads((tmp_path / "out" / "meta.json").read_text())
+    assert meta["special_tokens"] == {"eot": 2, "pad": 1, "mask": 3, "cls": 0, "sep": 2}
+
+
+def test_shards_hold_at_most_shard_tokens_and_empty_split_gets_one_empty_file(tmp_path, corpus):
+    inputs, _ = corpus
+    whole, sharded = tmp_path / "whole", tmp_path / "sharded"
+    common = ["--input", *inputs, "--vocab-size", 300, "--val-fraction", 0]
+    assert run_preprocess(*common, "--out", whole).returncode == 0
+    assert run_preprocess(*common, "--out", sharded, "--shard-tokens", 400).returncode == 0
+    meta = json.loads((sharded / "meta.json").read_text())
+    assert len(meta["splits"]["train"]["files"]) > 3
+    for name in meta["splits"]["train"]["files"]:
+        rows = pa.ipc.open_file(pa.memory_map(str(sharded / name))).read_all().column("input_ids").to_pylist()
+        assert sum(map(len, rows)) <= 400 or len(rows) == 1
+    assert read_rows(sharded, "train") == read_rows(whole, "train")
+    assert meta["splits"]["val"] == {"files": ["val-00000.arrow"], "documents": 0, "tokens": 0}
+    assert pa.ipc.open_file(pa.memory_map(str(sharded / "val-00000.arrow"))).read_all().num_rows == 0
+
+
+def test_arrow_stream_files_as_written_by_hf_datasets_are_read(tmp_path):
+    texts = [f"arrow row {i}" for i in range(12)]
+    with pa.ipc.new_stream(str(tmp_path / "data.arrow"), pa.schema([("content", pa.string())])) as writer:
+        writer.write_table(pa.table({"content": texts}), max_chunksize=5)
+    out = tmp_path / "out"
+    result = run_preprocess("--input", tmp_path / "data.arrow", "--column", "content", "--out", out,
+                            "--vocab-size", 300, "--val-fraction", 0)
+    assert result.returncode == 0, result.stderr
+    tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
+    assert [tokenizer.decode(row[:-1]) for row in read_rows(out, "train")] == texts
+
+
+def bad_input_args(case, tmp_path):
+    """Arguments for one foreseeable mistake, its files made in tmp_path."""
+    good_line = json.dumps({"text": "fine"}) + "\n"
+    jsonl = tmp_path / "corpus.jsonl"
+    jsonl.write_text(good_line)
+    if case == "missing_input":
+        return ["--input", tmp_path / "nowhere"]
+    if case == "directory_without_matching_files":
+        (tmp_path / "d").mkdir()
+        (tmp_path / "d" / "a.csv").write_text("x")
+        return ["--input", tmp_path / "d"]
+    if case == "jsonl_line_not_json":
+        jsonl.write_text(good_line + "{not json\n")
+        return ["--input", jsonl]
+    if case == "jsonl_line_without_field":
+        jsonl.write_text(good_line + json.dumps({"body": "x"}) + "\n")
+        return ["--input", jsonl]
+    if case == "jsonl_line_not_json_found_while_writing":  # no training pass: found after shards were started
+        jsonl.write_text(good_line * (preprocess.CHUNK_DOCUMENTS + 10) + "[1, 2]\n")
+        Tokenizer(models.BPE()).save(str(tmp_path / "tokenizer.json"))
+        return ["--input", jsonl, "--tokenizer", tmp_path / "tokenizer.json"]
+    if case == "parquet_without_column":
+        pq.write_table(pa.table({"body": ["x"]}), tmp_path / "t.parquet")
+        return ["--input", tmp_path / "t.parquet"]
+    if case == "unreadable_tokenizer":
+        (tmp_path / "garbage.json").write_text("{nope")
+        return ["--input", jsonl, "--tokenizer", tmp_path / "garbage.json"]
+    if case == "vocab_size_too_small":
+        return ["--input", jsonl, "--vocab-size", 100]
+    raise ValueError(case)
+
+
+@pytest.mark.parametrize("case", ["missing_input", "directory_without_matching_files", "jsonl_line_not_json",
+                                  "jsonl_line_without_field", "jsonl_line_not_json_found_while_writing",
+                                  "parquet_without_column", "unreadable_tokenizer", "vocab_size_too_small"])
+def test_bad_input_is_one_error_line_exit_2_and_no_output(tmp_path, case):
+    out = tmp_path / "out"
+    # a --vocab-size in the case's own arguments wins: argparse keeps the last one
+    result = run_preprocess("--vocab-size", 300, *bad_input_args(case, tmp_path), "--out", out)
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and " -> " in lines[0], result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+    assert not any(p.name.startswith("out") for p in tmp_path.iterdir())
+
+
+def test_default_corpus_is_the_sorted_stdlib_without_site_packages():
+    sources = preprocess.stdlib_sources()
+    relpaths = [path.relative_to(root).as_posix() for root, path in sources]
+    assert len(relpaths) > 300  # ~1,800 in a python.org/pyenv build; ~570 where Debian/Ubuntu ship the tests apart
+    assert relpaths == sorted(relpaths)
+    assert all(p.endswith(".py") and "site-packages" not in p.split("/") for p in relpaths)
+    assert len({root for root, _ in sources}) == 1
+
+
+# ----------------------------------------------------------------------------- stress_test.py
+
+ROW_COLUMNS = 11  # size count type op time algbw busbw #wrong p50 p95 p99
+
+
+def launch_stress_test(*options, nproc=2):
+    """Run stress_test.py under torchrun; returns (exit code, stdout + stderr)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+               "--master_port", str(free_port()), "stress_test.py", *options]
+    done = run(command, env_extra={"CUDA_VISIBLE_DEVICES": ""}, timeout=180)
+    return done.returncode, done.stdout + done.stderr
+
+
+def table_rows(output):
+    """{(op, size): (#wrong, the whole line)} of the table rank 0 printed."""
+    rows = {}
+    for line in output.splitlines():
+        fields = line.split()
+        if len(fields) == ROW_COLUMNS and fields[3] in OPS and fields[0].isdigit():
+            rows[(fields[3], int(fields[0]))] = (int(fields[7]), line)
+    return rows
+
+
+def test_stress_test_default_run_passes_with_a_row_for_every_op():
+    code, output = launch_stress_test()
+    assert code == 0, output
+    assert "stress_test: PASS" in output
+    rows = table_rows(output)
+    assert {op for op, _ in rows} == set(OPS)
+    assert all(wrong == 0 for wrong, _ in rows.values())
+    assert "max |grad diff| = 0 across 2 ranks" in output and "max |param diff| = 0 " in output
+
+
+def test_injected_corruption_fails_with_the_wrong_count_in_its_row(tmp_path):
+    figures = tmp_path / "figures.json"
+    code, output = launch_stress_test("--inject-corruption", "1", "--sizes", "8,1K", "--iters", "5", "--warmup", "1",
+                             "--skip-grad-check", "--json", str(figures))
+    assert code != 0, output
+    rows = table_rows(output)
+    assert rows[("all_reduce_sum", 8)][0] == 1, rows[("all_reduce_sum", 8)][1]
+    assert sum(wrong for wrong, _ in rows.values()) == 1  # the first row only, found exactly once
+    assert "stress_test: FAIL (#wrong 1 in all_reduce_sum at 8 B)" in output
+    saved = json.loads(figures.read_text())
+    assert saved["passed"] is False and [row["wrong"] for row in saved["rows"]][0] == 1
+
+
+def test_gradient_check_fails_when_one_rank_holds_a_different_gradient():
+    code, output = launch_stress_test("--inject-grad-corruption", "1", "--ops", "broadcast", "--sizes", "8", "--iters", "2")
+    assert code != 0, output
+    assert "max |grad diff| = 1 across 2 ranks (1 elements differ)" in output
+    assert "checksums DIFFER on every rank: FAIL" in output
+    assert "stress_test: FAIL (gradients or parameters differ across ranks)" in output
+
+
+def test_soak_checks_every_result_and_reports_skew(tmp_path):
+    figures = tmp_path / "figures.json"
+    code, output = launch_stress_test("--duration", "2", "--sizes", "8,4K", "--iters", "2", "--skip-grad-check",
+                             "--json", str(figures))
+    assert code == 0, output
+    assert "soak: " in output and ", 0 wrong; arrival skew" in output and "stress_test: PASS" in output
+    soak = json.loads(figures.read_text())["soak"]
+    assert soak["collectives"] > 0 and soak["seconds"] >= 2 and len(soak["mean_wait_us_per_rank"]) == 2
+
+
+def test_a_stalled_rank_ends_the_run_with_a_timeout_error():
+    code, output = launch_stress_test("--inject-stall", "1", "--timeout", "3", "--sizes", "8", "--skip-grad-check")
+    assert code != 0, output
+    assert "error: rank 0: no collective finished for" in output
+
+
+def test_parse_size_reads_bytes_and_binary_units():
+    assert parse_size("8") == 8
+    assert parse_size("1K") == 1024
+    assert parse_size("64M") == 64 * 2**20
+    assert parse_size("1G") == 2**30
+    assert parse_size("1g") == 2**30
+    assert parse_size("100T") == 100 * 2**40
+    for bad in ["", "K", "1.5M", "-8", "0", "12Q", "1 G", "1e6", "1GB"]:
+        with pytest.raises(ValueError):
+            parse_size(bad)
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--ops", "all_reduce_sum,allreduce"], "unknown collective 'allreduce'"),
+    (["--sizes", "8,12Q"], "'12Q' is not a size"),
+    (["--sizes", "100T"], "needs"),
+    (["--iterz", "5"], "did you mean --iters"),
+])
+def test_bad_options_end_every_rank_with_one_error_line(options, message):
+    code, output = launch_stress_test(*options, "--skip-grad-check")
+    assert code != 0, output
+    errors = [line for line in output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0], output
+    assert 'stress_test.py", line' not in output  # no traceback of ours (torchrun prints its own summary)
