@@ -338,6 +338,27 @@ def test_resume_never_refuses_to_overwrite_existing_checkpoints(trained_run, dat
     assert_one_line_error(result, "already holds checkpoints")
 
 
+def test_exported_model_trains_further_as_model_pretrained(trained_run, data_dir, tmp_path):
+    out, _ = trained_run
+    result = run([sys.executable, "train_ddp.py", f"data.dir={data_dir}", f"model.pretrained={out}/final",
+                  *TINY_MODEL, "train.max_steps=2", "train.global_batch_size=16", "train.micro_batch_size=8",
+                  f"out_dir={tmp_path}", f"checkpoint.dir={tmp_path}/ckpt"])
+    assert result.returncode == 0, result.stderr[-2000:]
+    first_val = read_metrics(tmp_path, "val")[0]["val_loss"]
+    assert first_val == pytest.approx(read_metrics(out, "val")[-1]["val_loss"], rel=1e-4)  # starts where it ended
+
+
+@pytest.mark.parametrize("override, fragment", [
+    ("model.type=gpt9", "model.type=gpt9 is not a transformers model type"),
+    ("model.pretrained=/nowhere/model", "cannot read a transformers config from model.pretrained=/nowhere/model"),
+    ("model.n_head=3", "model.n_embd=32 is not divisible by model.n_head=3"),
+])
+def test_bad_model_settings_are_one_line_errors(override, fragment, data_dir, tmp_path):
+    result = run([sys.executable, "train_ddp.py", f"data.dir={data_dir}", *TINY_MODEL, override,
+                  f"out_dir={tmp_path}", f"checkpoint.dir={tmp_path}/ckpt"])
+    assert_one_line_error(result, fragment)
+
+
 # ----------------------------------------------------------------------------- launch.sh
 
 def test_launch_script_is_clean_under_shellcheck():

@@ -30,7 +30,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 import yaml
+from tokenizers import Tokenizer
 from torch.nn.parallel import DistributedDataParallel as DDP
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM, PreTrainedTokenizerFast
+from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+from transformers.utils import logging as transformers_logging
 
 IGNORE_INDEX = -100  # label value F.cross_entropy skips: padding and unmasked MLM positions
 
@@ -153,9 +157,10 @@ def main():
         die(f"train.global_batch_size={cfg.train.global_batch_size} is not a multiple of train.micro_batch_size "
             f"x world size = {cfg.train.micro_batch_size} x {world_size} -> use e.g. train.global_batch_size={nearest}")
     micro_batches_per_step = rank_batch_size // cfg.train.micro_batch_size
-    for key in ["train.max_steps", "train.seq_len", "train.micro_batch_size", "log.every", "checkpoint.every", "checkpoint.keep", "train.eval_every"]:
-        if flat_config[key] < 1:
-            die(f"{key}={flat_config[key]} must be at least 1")
+    for key in ["train.max_steps", "train.seq_len", "train.micro_batch_size", "train.eval_every", "train.eval_batches",
+                "log.every", "checkpoint.every", "checkpoint.keep", "optim.lr", "dist.timeout_s"]:
+        if flat_config[key] <= 0:
+            die(f"{key}={flat_config[key]} must be positive -> give a value above 0")
     if check_only:
         for key in ["data.dir", "checkpoint.dir", "checkpoint.resume", "out_dir", "dist.timeout_s"]:
             print(f"{key}={flat_config[key]}")
@@ -215,8 +220,10 @@ def main():
     torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank (DDP also broadcasts rank 0's)
     raw_model, attention = build_model(cfg, task, padded_vocab_size, special, use_cuda)
     raw_model.to(device)
-    matmul_params = count_matmul_params(raw_model)
-    flops_per_token = 6 * matmul_params + 12 * raw_model.config.num_hidden_layers * raw_model.config.hidden_size * cfg.train.seq_len
+    # model FLOPs per token, PaLM's formula (Chowdhery et al. 2022, app. B): 6N for the matmuls forward and
+    # backward, plus attention's 12 x layers x width x sequence length
+    attention_flops = 12 * raw_model.config.num_hidden_layers * raw_model.config.hidden_size * cfg.train.seq_len
+    flops_per_token = 6 * count_matmul_params(raw_model) + attention_flops
     log0(f"model {cfg.model.type} ({task}), {sum(p.numel() for p in raw_model.parameters()) / 1e6:.1f}M parameters, "
          f"attention {attention}, vocab {meta['vocab_size']} padded to {padded_vocab_size}")
     model = DDP(raw_model, device_ids=[local_rank] if use_cuda else None, gradient_as_bucket_view=True)
@@ -252,7 +259,7 @@ def main():
     resume_dir = find_resume_checkpoint(ckpt_dir, cfg.checkpoint.resume)
     step, samples_seen, tokens_seen = 0, 0, 0
     if resume_dir is not None:
-        train_state = load_checkpoint(resume_dir, raw_model, optimizer, scheduler, scaler, flat_config, padded_vocab_size)
+        train_state = load_checkpoint(resume_dir, raw_model, optimizer, scheduler, scaler, flat_config)
         step, samples_seen, tokens_seen = train_state["step"], train_state["samples_seen"], train_state["tokens_seen"]
         restore_rng(train_state["rng"], rank, cfg.train.seed, step)
         if train_state.get("data_fingerprint") != meta.get("fingerprint"):
@@ -284,7 +291,8 @@ def main():
     if rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
         metrics_file = open(out_dir / "metrics.jsonl", "a")  # append: a resumed run continues the same file
-        metrics_file.write(json.dumps({"kind": "start", "step": step, "world_size": world_size, "time": time.time()}) + "\n")
+        start_record = {"kind": "start", "step": step, "world_size": world_size, "time": time.time()}
+        metrics_file.write(json.dumps(start_record) + "\n")
     peak_flops = gpu_peak_flops(device) if use_cuda else None
 
     def evaluate():
@@ -316,7 +324,7 @@ def main():
 
     model.train()
     interval_loss = torch.zeros(2, device=device, dtype=torch.float64)  # summed loss, label tokens
-    interval_start, interval_steps, interval_tokens = time.perf_counter(), 0, 0
+    interval_start, interval_steps, interval_tokens, paused_s = time.perf_counter(), 0, 0, 0.0
     while step < cfg.train.max_steps:
         micro_batches, step_tokens = make_rank_batches(train_data, samples_seen, seed=cfg.train.seed)
         # The step's gradient must be that of the mean loss over every label token of the global batch,
@@ -350,11 +358,12 @@ def main():
         interval_tokens += step_tokens
 
         if step % cfg.log.every == 0 or step == cfg.train.max_steps:
-            dist.all_reduce(interval_loss)  # loss over all ranks; .item() below is the interval's only host sync
-            elapsed = time.perf_counter() - interval_start
+            dist.all_reduce(interval_loss)  # loss over all ranks
+            loss = (interval_loss[0] / interval_loss[1]).item()  # the interval's only wait for the GPU, so the
+            elapsed = time.perf_counter() - interval_start - paused_s  # clock is read after the work is done
             tokens_per_sec = interval_tokens / elapsed
             record = {
-                "kind": "train", "step": step, "loss": (interval_loss[0] / interval_loss[1]).item(),
+                "kind": "train", "step": step, "loss": loss,
                 "grad_norm": grad_norm.item(), "lr": scheduler.get_last_lr()[0],
                 "tokens_per_sec": tokens_per_sec, "tokens_seen": tokens_seen,
                 "eta_s": elapsed / interval_steps * (cfg.train.max_steps - step),
@@ -374,16 +383,16 @@ def main():
             log0(line + f" | ETA {format_seconds(record['eta_s'])}")
             log_metrics(record)
             interval_loss.zero_()
-            interval_start, interval_steps, interval_tokens = time.perf_counter(), 0, 0
+            interval_start, interval_steps, interval_tokens, paused_s = time.perf_counter(), 0, 0, 0.0
 
+        pause_start = time.perf_counter()  # validation and checkpoints are not training throughput
         if step % cfg.train.eval_every == 0 or step == cfg.train.max_steps:
             val_loss = evaluate()
             log0(f"step {step} | val loss {val_loss:.4f}")
             log_metrics({"kind": "val", "step": step, "val_loss": val_loss})
-            interval_start = time.perf_counter()  # evaluation time is not training throughput
         if step % cfg.checkpoint.every == 0 or step == cfg.train.max_steps:
             save(step)
-            interval_start = time.perf_counter()
+        paused_s += time.perf_counter() - pause_start
 
     if rank == 0:
         export_final(raw_model, data_dir, meta, out_dir / "final", task, cfg, device)
@@ -557,53 +566,65 @@ def token_loss_sum(logits, labels):
 # ----------------------------------------------------------------------------- 4. model (helpers)
 
 def is_masked_lm_type(cfg):
-    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
     model_type = cfg.model.type
     if cfg.model.pretrained:
-        from transformers import AutoConfig
-        model_type = AutoConfig.from_pretrained(cfg.model.pretrained).model_type
+        model_type = load_pretrained_config(cfg.model.pretrained).model_type
     return model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+
+def load_pretrained_config(path):
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=True)  # no hub download: offline machines
+    except (OSError, ValueError) as error:
+        die(f"cannot read a transformers config from model.pretrained={path} ({str(error).splitlines()[0][:150]}) "
+            "-> give a local directory holding config.json and the weights")
 
 
 def build_model(cfg, task, padded_vocab_size, special, use_cuda):
     """A new model from a transformers config, or a local pretrained one; fp32 master weights."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM
     attention = cfg.model.attention
     if attention == "auto":
         attention = "flash_attention_2" if use_cuda and flash_attn_available() else "sdpa"
     elif attention == "flash_attention_2" and not (use_cuda and flash_attn_available()):
-        die("model.attention=flash_attention_2 needs the flash_attn package and a CUDA GPU -> pip install flash-attn, or use sdpa")
-    model_class = AutoModelForMaskedLM if task == "mlm" else AutoModelForCausalLM
-    try:
-        if cfg.model.pretrained:
-            model = model_class.from_pretrained(cfg.model.pretrained, dtype=torch.float32, attn_implementation=attention,
-                                                local_files_only=True)
-            if model.config.max_position_embeddings < cfg.train.seq_len:
-                die(f"{cfg.model.pretrained} knows {model.config.max_position_embeddings} positions, "
-                    f"train.seq_len is {cfg.train.seq_len} -> lower train.seq_len")
-            if model.get_input_embeddings().num_embeddings < padded_vocab_size:
-                model.resize_token_embeddings(padded_vocab_size)
-            return model, attention
-        config = AutoConfig.for_model(
-            cfg.model.type, vocab_size=padded_vocab_size, hidden_size=cfg.model.n_embd,
-            num_hidden_layers=cfg.model.n_layer, num_attention_heads=cfg.model.n_head,
-            max_position_embeddings=cfg.train.seq_len, pad_token_id=special["pad"],
-            bos_token_id=special["eot"], eos_token_id=special["eot"],
-        )
-    except (OSError, ValueError, KeyError) as error:
-        source = cfg.model.pretrained or f"model.type={cfg.model.type}"
-        die(f"cannot build the model from {source} ({str(error).splitlines()[0]}) -> "
-            "use a transformers model type such as gpt2 or bert, or a local directory with config.json")
-    if cfg.model.n_embd % cfg.model.n_head:
-        die(f"model.n_embd={cfg.model.n_embd} is not divisible by model.n_head={cfg.model.n_head} -> change one of them")
+        die("model.attention=flash_attention_2 needs the flash_attn package and a CUDA GPU "
+            "-> pip install flash-attn, or use model.attention=sdpa")
+    if cfg.model.pretrained:
+        config = load_pretrained_config(cfg.model.pretrained)
+    else:
+        if cfg.model.n_embd % cfg.model.n_head:
+            die(f"model.n_embd={cfg.model.n_embd} is not divisible by model.n_head={cfg.model.n_head} "
+                "-> change one of them")
+        try:
+            config = AutoConfig.for_model(
+                cfg.model.type, vocab_size=padded_vocab_size, hidden_size=cfg.model.n_embd,
+                num_hidden_layers=cfg.model.n_layer, num_attention_heads=cfg.model.n_head,
+                max_position_embeddings=cfg.train.seq_len, pad_token_id=special["pad"],
+                bos_token_id=special["eot"], eos_token_id=special["eot"],
+            )
+        except ValueError as error:
+            die(f"model.type={cfg.model.type} is not a transformers model type ({str(error).splitlines()[0][:100]}) "
+                "-> use e.g. gpt2, llama, bert or roberta")
+        if hasattr(config, "intermediate_size"):  # models that have one default to their own, much larger size
+            config.intermediate_size = 4 * cfg.model.n_embd
+        if hasattr(config, "num_key_value_heads"):
+            config.num_key_value_heads = cfg.model.n_head
     for name, value in config.to_dict().items():
         if ("dropout" in name or "pdrop" in name) and isinstance(value, float):
             setattr(config, name, cfg.model.dropout)
-    if hasattr(config, "intermediate_size"):  # models that have one default to their own large size
-        config.intermediate_size = 4 * cfg.model.n_embd
-    if hasattr(config, "num_key_value_heads"):
-        config.num_key_value_heads = cfg.model.n_head
-    model = model_class.from_config(config, attn_implementation=attention, dtype=torch.float32)
+    model_class = AutoModelForMaskedLM if task == "mlm" else AutoModelForCausalLM
+    if not cfg.model.pretrained:
+        return model_class.from_config(config, attn_implementation=attention, dtype=torch.float32), attention
+    try:
+        model = model_class.from_pretrained(cfg.model.pretrained, config=config, dtype=torch.float32,
+                                            attn_implementation=attention, local_files_only=True)
+    except (OSError, ValueError) as error:
+        die(f"cannot load model.pretrained={cfg.model.pretrained} ({str(error).splitlines()[0][:150]}) "
+            "-> give a directory written by save_pretrained")
+    if model.config.max_position_embeddings < cfg.train.seq_len:
+        die(f"{cfg.model.pretrained} knows {model.config.max_position_embeddings} positions, "
+            f"train.seq_len is {cfg.train.seq_len} -> lower train.seq_len")
+    if model.get_input_embeddings().num_embeddings < padded_vocab_size:
+        model.resize_token_embeddings(padded_vocab_size)  # the tokenizer has more tokens than the model
     return model, attention
 
 
@@ -689,7 +710,7 @@ def save_checkpoint(ckpt_dir, step, keep, raw_model, optimizer, train_state):
         shutil.rmtree(old)
 
 
-def load_checkpoint(path, raw_model, optimizer, scheduler, scaler, flat_config, padded_vocab_size):
+def load_checkpoint(path, raw_model, optimizer, scheduler, scaler, flat_config):
     """weights_only=True: a checkpoint is data, loading it must never run pickled code."""
     try:
         train_state = torch.load(path / "train_state.pt", weights_only=True)
@@ -735,9 +756,6 @@ def format_seconds(seconds):
 
 def export_final(raw_model, data_dir, meta, final_dir, task, cfg, device):
     """save_pretrained + the tokenizer: loadable with AutoModelFor...from_pretrained(final_dir)."""
-    from tokenizers import Tokenizer
-    from transformers import PreTrainedTokenizerFast
-    from transformers.utils import logging as transformers_logging
     transformers_logging.disable_progress_bar()  # a progress bar per one-file save is noise in a log
     tokenizer_core = Tokenizer.from_file(str(data_dir / meta["tokenizer_file"]))
     names = {key: tokenizer_core.id_to_token(token_id) for key, token_id in meta["special_tokens"].items()}
