@@ -338,6 +338,15 @@ def test_resume_never_refuses_to_overwrite_existing_checkpoints(trained_run, dat
     assert_one_line_error(result, "already holds checkpoints")
 
 
+def test_resuming_an_older_checkpoint_next_to_newer_ones_is_refused(trained_run, data_dir, tmp_path):
+    out, _ = trained_run
+    before = sorted(p.name for p in (out / "ckpt").iterdir())
+    result = run([sys.executable, "train_ddp.py", f"data.dir={data_dir}", *TINY_MODEL,
+                  f"checkpoint.resume={out}/ckpt/step_000004", f"checkpoint.dir={out}/ckpt", f"out_dir={tmp_path}"])
+    assert_one_line_error(result, "holds checkpoints newer than", "step_000008")
+    assert sorted(p.name for p in (out / "ckpt").iterdir()) == before
+
+
 def test_exported_model_trains_further_as_model_pretrained(trained_run, data_dir, tmp_path):
     out, _ = trained_run
     result = run([sys.executable, "train_ddp.py", f"data.dir={data_dir}", f"model.pretrained={out}/final",

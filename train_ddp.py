@@ -682,6 +682,10 @@ def find_resume_checkpoint(ckpt_dir, resume):
     if not is_complete(Path(resume)):
         die(f"checkpoint.resume={resume} is not a complete checkpoint directory (needs {', '.join(CHECKPOINT_FILES)}) "
             f"-> give a step_* directory, auto or never")
+    newer = [p.name for p in existing if p.name > Path(resume).name]
+    if newer:  # this run's checkpoints would interleave with them, and pruning could delete this run's
+        die(f"{ckpt_dir} holds checkpoints newer than {resume} ({', '.join(newer)}) -> set checkpoint.dir to "
+            "another directory for this run")
     return Path(resume)
 
 
@@ -689,8 +693,6 @@ def save_checkpoint(ckpt_dir, step, keep, raw_model, optimizer, train_state):
     """Write into a temporary directory, then rename: a crash mid-write never leaves a checkpoint that
     resume=auto would pick. The `latest` pointer moves only after the rename; old ones go last."""
     final = ckpt_dir / f"step_{step:06d}"
-    if is_complete(final):
-        return  # e.g. a resumed run that was already at max_steps
     temporary = ckpt_dir / f".tmp-step_{step:06d}-{os.getpid()}"
     temporary.mkdir(parents=True, exist_ok=True)
     for name, obj in [("model.pt", raw_model.state_dict()), ("optimizer.pt", optimizer.state_dict()),
@@ -700,8 +702,8 @@ def save_checkpoint(ckpt_dir, step, keep, raw_model, optimizer, train_state):
             file.flush()
             os.fsync(file.fileno())  # the rename below must not reach the disk before the data
     (temporary / "config.yaml").write_text(yaml.safe_dump(train_state["config"], sort_keys=False))
-    if final.exists():
-        shutil.rmtree(final)  # an incomplete leftover of a crashed run
+    if final.exists():  # only an incomplete leftover can be there: resume refuses dirs with newer checkpoints
+        shutil.rmtree(final)
     os.rename(temporary, final)
     pointer_temporary = ckpt_dir / f".latest-{os.getpid()}"
     pointer_temporary.write_text(final.name)
