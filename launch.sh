@@ -93,7 +93,7 @@ fi
 
 # ---------------------------------------------------------------- checks
 check_script() {
-  [ -f "$SCRIPT" ] || fail "script" "$SCRIPT not found -> name train_ddp.py, train_fsdp.py or stress_test.py"
+  [ -f "$SCRIPT" ] || fail "script" "$SCRIPT not found -> name an existing script: train_ddp.py or stress_test.py"
   report "script" "ok ($(basename "$SCRIPT"))"
 }
 
