@@ -341,7 +341,13 @@ def read_data_config(config_arg):
         data = (yaml.safe_load(config_path.read_text()) or {}).get("data") or {}
     except (yaml.YAMLError, OSError, AttributeError) as error:
         die(f"cannot read {config_path}: {error} -> fix it: a YAML mapping with a data: section")
-    return {key: data.get(key, default) for key, default in DEFAULTS.items()}
+    values = {}
+    for key, default in DEFAULTS.items():
+        try:  # float("2e-2"): plain YAML reads an exponent without a dot as a string
+            values[key] = type(default)(data.get(key, default))
+        except (TypeError, ValueError):
+            die(f"data.{key}={data[key]!r} in {config_path} is not a {type(default).__name__} -> fix it there")
+    return values
 
 
 def fingerprint(sources, options):

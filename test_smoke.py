@@ -28,6 +28,9 @@ import train_ddp  # noqa: E402
 from stress_test import OPS, parse_size  # noqa: E402
 
 TINY_MODEL = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "train.seq_len=64"]
+# the 8-step run that the checkpoint and resume tests continue from (their own runs must match it)
+EIGHT_STEPS = [*TINY_MODEL, "train.global_batch_size=16", "train.micro_batch_size=4", "train.max_steps=8",
+               "checkpoint.every=4", "train.eval_every=4", "log.every=1", "optim.lr=1e-2", "optim.warmup_steps=2"]
 
 
 def free_port():
@@ -41,11 +44,12 @@ def run(command, env_extra=None, timeout=300, cwd=REPO):
     return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def torchrun(nproc, script, *args, timeout=300):
+def torchrun(nproc, script, *args, timeout=300, must_pass=True, env_extra=None):
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
                "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(REPO / script), *args]
-    result = run(command, timeout=timeout)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    result = run(command, env_extra=env_extra, timeout=timeout)
+    if must_pass:
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result
 
 
@@ -246,9 +250,7 @@ def test_gradient_is_the_same_for_any_split_into_ranks_and_micro_batches(data_di
 def trained_run(data_dir, tmp_path_factory):
     """8 steps on 2 processes through launch.sh, checkpoints at steps 4 and 8."""
     out = tmp_path_factory.mktemp("run")
-    result = run(["bash", "launch.sh", f"data.dir={data_dir}", *TINY_MODEL, "train.global_batch_size=16",
-                  "train.micro_batch_size=4", "train.max_steps=8", "checkpoint.every=4", "train.eval_every=4",
-                  "log.every=1", "optim.lr=1e-2", "optim.warmup_steps=2", "model.dropout=0.1", f"out_dir={out}",
+    result = run(["bash", "launch.sh", f"data.dir={data_dir}", *EIGHT_STEPS, "model.dropout=0.1", f"out_dir={out}",
                   f"checkpoint.dir={out}/ckpt"], env_extra={"MASTER_PORT": str(free_port())})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return out, result
@@ -275,9 +277,7 @@ def test_resume_continues_bitwise_identically(trained_run, data_dir, tmp_path):
     out, _ = trained_run
     crashed = tmp_path / "crashed"
     shutil.copytree(out / "ckpt" / "step_000004", crashed / "ckpt" / "step_000004")
-    torchrun(2, "train_ddp.py", f"data.dir={data_dir}", *TINY_MODEL, "train.global_batch_size=16",
-             "train.micro_batch_size=4", "train.max_steps=8", "checkpoint.every=4", "train.eval_every=4",
-             "log.every=1", "optim.lr=1e-2", "optim.warmup_steps=2", "model.dropout=0.1", f"out_dir={crashed}",
+    torchrun(2, "train_ddp.py", f"data.dir={data_dir}", *EIGHT_STEPS, "model.dropout=0.1", f"out_dir={crashed}",
              f"checkpoint.dir={crashed}/ckpt")
     uninterrupted = {t["step"]: t["loss"] for t in read_metrics(out, "train")}
     resumed = {t["step"]: t["loss"] for t in read_metrics(crashed, "train")}
@@ -291,9 +291,7 @@ def test_resume_continues_bitwise_identically(trained_run, data_dir, tmp_path):
 def test_resume_on_another_world_size_continues_from_the_same_sample(trained_run, data_dir, tmp_path):
     out, _ = trained_run
     moved = tmp_path / "one_rank"
-    torchrun(1, "train_ddp.py", f"data.dir={data_dir}", *TINY_MODEL, "train.global_batch_size=16",
-             "train.micro_batch_size=4", "train.max_steps=8", "checkpoint.every=4", "train.eval_every=4",
-             "log.every=1", "optim.lr=1e-2", "optim.warmup_steps=2", "model.dropout=0.0",
+    torchrun(1, "train_ddp.py", f"data.dir={data_dir}", *EIGHT_STEPS, "model.dropout=0.0",
              f"checkpoint.resume={out}/ckpt/step_000004", f"out_dir={moved}", f"checkpoint.dir={moved}/ckpt")
     state = torch.load(moved / "ckpt" / "step_000008" / "train_state.pt", weights_only=True)
     assert state["step"] == 8 and state["samples_seen"] == 8 * 16 and state["world_size"] == 1
@@ -741,6 +739,16 @@ def test_default_corpus_is_the_sorted_stdlib_without_site_packages():
     assert len({root for root, _ in sources}) == 1
 
 
+def test_preprocess_reads_exponent_floats_from_the_config(tmp_path):
+    config = tmp_path / "config.yaml"
+    config.write_text("data:\n  val_fraction: 2e-2\n  vocab_size: 512\n")
+    assert preprocess.read_data_config(str(config))["val_fraction"] == 0.02
+    config.write_text("data:\n  vocab_size: lots\n")
+    result = run_preprocess("--config", config, "--out", tmp_path / "out")
+    assert result.returncode == 2 and result.stderr.startswith("error: data.vocab_size='lots'")
+    assert not (tmp_path / "out").exists()
+
+
 # ----------------------------------------------------------------------------- stress_test.py
 
 ROW_COLUMNS = 11  # size count type op time algbw busbw #wrong p50 p95 p99
@@ -748,9 +756,8 @@ ROW_COLUMNS = 11  # size count type op time algbw busbw #wrong p50 p95 p99
 
 def launch_stress_test(*options, nproc=2):
     """Run stress_test.py under torchrun; returns (exit code, stdout + stderr)."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-               "--master_port", str(free_port()), "stress_test.py", *options]
-    done = run(command, env_extra={"CUDA_VISIBLE_DEVICES": ""}, timeout=180)
+    done = torchrun(nproc, "stress_test.py", *options, timeout=180, must_pass=False,
+                    env_extra={"CUDA_VISIBLE_DEVICES": ""})
     return done.returncode, done.stdout + done.stderr
 
 
@@ -777,7 +784,7 @@ def test_stress_test_default_run_passes_with_a_row_for_every_op():
 def test_injected_corruption_fails_with_the_wrong_count_in_its_row(tmp_path):
     figures = tmp_path / "figures.json"
     code, output = launch_stress_test("--inject-corruption", "1", "--sizes", "8,1K", "--iters", "5", "--warmup", "1",
-                             "--skip-grad-check", "--json", str(figures))
+                                      "--skip-grad-check", "--json", str(figures))
     assert code != 0, output
     rows = table_rows(output)
     assert rows[("all_reduce_sum", 8)][0] == 1, rows[("all_reduce_sum", 8)][1]
@@ -798,7 +805,7 @@ def test_gradient_check_fails_when_one_rank_holds_a_different_gradient():
 def test_soak_checks_every_result_and_reports_skew(tmp_path):
     figures = tmp_path / "figures.json"
     code, output = launch_stress_test("--duration", "2", "--sizes", "8,4K", "--iters", "2", "--skip-grad-check",
-                             "--json", str(figures))
+                                      "--json", str(figures))
     assert code == 0, output
     assert "soak: " in output and ", 0 wrong; arrival skew" in output and "stress_test: PASS" in output
     soak = json.loads(figures.read_text())["soak"]
@@ -835,3 +842,4 @@ def test_bad_options_end_every_rank_with_one_error_line(options, message):
     errors = [line for line in output.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and message in errors[0], output
     assert 'stress_test.py", line' not in output  # no traceback of ours (torchrun prints its own summary)
+
