@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
 import socket
 import subprocess
@@ -53,11 +54,15 @@ def torchrun(nproc, script, *args, timeout=300, must_pass=True, env_extra=None):
     return result
 
 
-def assert_one_line_error(result, *fragments):
-    """Bad input: non-zero exit, a clear `error:` line, and no traceback."""
+def assert_one_line_error(result, *fragments, under_torchrun=False):
+    """Bad input: non-zero exit, a clear `error:` line, and no traceback. Under bare torchrun a failed worker
+    is followed by torchrun's own ChildFailedError traceback; none may come from our scripts."""
     assert result.returncode != 0
     output = result.stdout + result.stderr
-    assert "Traceback" not in output, output
+    if under_torchrun:
+        assert not re.search(r'File ".*(train_ddp|train_fsdp|preprocess|stress_test)\.py", line', output), output
+    else:
+        assert "Traceback" not in output, output
     error_lines = [line for line in output.splitlines() if line.startswith("error:")]
     assert error_lines, output
     for fragment in fragments:
@@ -99,14 +104,14 @@ def data_dir(corpus_dir, tmp_path_factory):
 # ----------------------------------------------------------------------------- config
 
 def test_config_override_is_typed_and_wins_over_the_cpu_preset():
-    cfg, flat = train_ddp.load_config(["train.max_steps=7", "optim.lr=1", "optim.eps=1e-6", "model.type=bert"],
-                                      use_cuda=False)
-    assert cfg.train.max_steps == 7 and flat["train.max_steps"] == 7
+    cfg = train_ddp.load_config(["train.max_steps=7", "optim.lr=1", "optim.eps=1e-6", "model.type=bert"],
+                                use_cuda=False)
+    assert cfg.train.max_steps == 7 and train_ddp.config_dict(cfg)["train.max_steps"] == 7
     assert isinstance(cfg.optim.lr, float) and cfg.optim.lr == 1.0  # an int where a float belongs is widened
     assert cfg.optim.eps == 1e-6  # plain PyYAML would read 1e-6 as the string '1e-6' 
     assert cfg.model.type == "bert"
     assert cfg.model.n_layer == 2  # from cpu_preset: no GPU here
-    cfg_gpu, _ = train_ddp.load_config([], use_cuda=True)
+    cfg_gpu = train_ddp.load_config([], use_cuda=True)
     assert cfg_gpu.model.n_layer == 12  # the preset is only for machines without a GPU
 
 
@@ -115,9 +120,65 @@ def test_config_override_is_typed_and_wins_over_the_cpu_preset():
     (["optim.lr=fast"], ["optim.lr=fast is not a float"]),
     (["train.precision=fp8"], ["train.precision=fp8 is not one of"]),
     (["max_steps"], ["is not key=value"]),
+    (["train.micro_batch_size=0"], ["train.micro_batch_size=0 is out of range", "at least 1"]),
 ])
 def test_bad_override_is_one_line_error(override, fragments):
     assert_one_line_error(run([sys.executable, "train_ddp.py", "--check", *override]), *fragments)
+
+
+@pytest.mark.parametrize("override", [
+    "train.global_batch_size=0", "train.global_batch_size=-16", "train.micro_batch_size=0", "optim.grad_clip=-1",
+    "optim.min_lr=-1", "optim.warmup_steps=-5", "train.mlm_probability=-1", "train.mlm_probability=1.5",
+    "model.n_layer=0", "model.n_embd=-128", "model.dropout=2.0", "optim.beta1=1.5", "optim.lr=0", "dist.timeout_s=0",
+])
+def test_values_of_the_right_type_but_out_of_range_are_refused(override):
+    """Each of these passed the type check and then trained wrongly (NaN, flipped gradients) or crashed."""
+    cfg = train_ddp.load_config([override], use_cuda=False)
+    with pytest.raises(train_ddp.UserError, match=re.escape(override.split("=")[0]) + r"=\S+ is out of range -> "):
+        train_ddp.check_config(cfg, world_size=1)
+
+
+def test_config_file_mistakes_name_the_line_or_the_key(tmp_path):
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("train:\n  max_steps: 10\n   seq_len: 64\n")
+    with pytest.raises(train_ddp.UserError, match="not valid YAML at line 3, column"):
+        train_ddp.load_config([str(broken)], use_cuda=False)
+    wrong_type = tmp_path / "wrong_type.yaml"
+    wrong_type.write_text((REPO / "config.yaml").read_text().replace("max_steps: 300", "max_steps: many"))
+    cfg = train_ddp.load_config([str(wrong_type)], use_cuda=True)
+    with pytest.raises(train_ddp.UserError, match="train.max_steps=many in the config file is not a number"):
+        train_ddp.check_config(cfg, world_size=1)
+    cfg = train_ddp.load_config(["optim.min_lr=1e-2", "optim.lr=1e-3"], use_cuda=False)
+    with pytest.raises(train_ddp.UserError, match="optim.min_lr=0.01 is above optim.lr=0.001"):
+        train_ddp.check_config(cfg, world_size=1)
+
+
+def test_bf16_and_flash_attention_are_chosen_by_compute_capability(monkeypatch):
+    """torch.cuda.is_bf16_supported() says True on a V100 (emulated bf16): auto must still pick fp16 there,
+    and must not pick FlashAttention-2, which fails on GPUs older than compute capability 8.0."""
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: True)
+    monkeypatch.setattr(train_ddp, "flash_attn_available", lambda: True)
+    for capability, precision, attention in [((7, 0), "fp16", "sdpa"), ((7, 5), "fp16", "sdpa"),
+                                             ((8, 0), "bf16", "flash_attention_2"), ((9, 0), "bf16", "flash_attention_2")]:
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, value=capability: value)
+        assert train_ddp.choose_precision("auto", gpu) == precision, capability
+        assert train_ddp.choose_attention("auto", gpu) == attention, capability
+    with pytest.raises(train_ddp.UserError, match="compute capability 8.0"):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+        train_ddp.choose_attention("flash_attention_2", gpu)
+    assert train_ddp.choose_precision("auto", cpu) == "fp32"
+    assert train_ddp.choose_attention("auto", cpu) == "sdpa"
+
+
+def test_mfu_peak_is_looked_up_by_exact_gpu_name_only(monkeypatch):
+    gpu = torch.device("cuda", 0)
+    for name, expected in [("NVIDIA H200", 989e12), ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12),
+                           ("NVIDIA L40", None), ("NVIDIA H100 NVL", None), ("NVIDIA RTX A1000", None)]:
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, value=name: value)
+        assert train_ddp.peak_flops_per_gpu(gpu, peak_tflops=0) == expected, name
+    assert train_ddp.peak_flops_per_gpu(gpu, peak_tflops=100) == 100e12  # log.peak_tflops names any GPU
+    assert train_ddp.peak_flops_per_gpu(torch.device("cpu"), peak_tflops=0) is None
 
 
 def test_global_batch_that_does_not_divide_is_refused():
@@ -192,11 +253,11 @@ def test_token_mean_gradient_is_independent_of_the_micro_batch_split_and_the_nai
     token in a short micro-batch more than one in a long one. Ours divides summed losses by the
     token count of the whole batch, which equals the full-batch gradient."""
     torch.manual_seed(0)
-    cfg, _ = train_ddp.load_config(["model.type=bert", *TINY_MODEL, "model.dropout=0.0"], use_cuda=False)
+    cfg = train_ddp.load_config(["model.type=bert", *TINY_MODEL, "model.dropout=0.0"], use_cuda=False)
     meta = train_ddp.read_meta(data_dir)
     special = meta["special_tokens"]
     data = train_ddp.ArrowTokens(data_dir, meta, "train", "mlm", 64, special)
-    model, _ = train_ddp.build_model(cfg, "mlm", 448, special, use_cuda=False)
+    model, _ = train_ddp.build_model(cfg, "mlm", 448, special, torch.device("cpu"))
     ids = np.arange(16)
     lengths = [data.length(i) for i in ids]
     assert max(lengths) > 2 * min(lengths), "the corpus must have documents of different lengths"
@@ -209,14 +270,17 @@ def test_token_mean_gradient_is_independent_of_the_micro_batch_split_and_the_nai
         return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
 
     def batches(size):
-        return [train_ddp.make_micro_batch(data, ids[k:k + size], np.zeros(size, int), cfg, special, "cpu")
+        return [train_ddp.make_micro_batch(data, ids[k:k + size], np.zeros(size, int), cfg, special, torch.device("cpu"))
                 for k in range(0, 16, size)]
 
-    whole = gradient(batches(16), lambda loss, b, n: loss / b["label_tokens"])
+    def label_tokens(batch):
+        return int((batch["labels"] != train_ddp.IGNORE_INDEX).sum())
+
+    whole = gradient(batches(16), lambda loss, b, n: loss / label_tokens(b))
     split = batches(4)
-    total_tokens = sum(b["label_tokens"] for b in split)
+    total_tokens = sum(label_tokens(b) for b in split)
     ours = gradient(split, lambda loss, b, n: loss / total_tokens)
-    naive = gradient(split, lambda loss, b, n: loss / b["label_tokens"] / n)
+    naive = gradient(split, lambda loss, b, n: loss / label_tokens(b) / n)
     assert ((ours - whole).norm() / whole.norm()) < 1e-5
     assert ((naive - whole).norm() / whole.norm()) > 1e-3
 
@@ -267,6 +331,8 @@ def test_launch_trains_on_two_processes_and_the_validation_loss_falls(trained_ru
     train = read_metrics(out, "train")
     assert [t["step"] for t in train] == list(range(1, 9))
     assert all({"loss", "grad_norm", "lr", "tokens_per_sec"} <= set(t) for t in train)
+    # the rate each step used: warmup_steps=2 gives steps 1 and 2 half and all of optim.lr=1e-2
+    assert [t["lr"] for t in train[:2]] == pytest.approx([5e-3, 1e-2])
     assert sorted(p.name for p in (out / "ckpt").glob("step_*")) == ["step_000004", "step_000008"]
     assert (out / "ckpt" / "latest").read_text() == "step_000008"
 
@@ -343,6 +409,93 @@ def test_resuming_an_older_checkpoint_next_to_newer_ones_is_refused(trained_run,
                   f"checkpoint.resume={out}/ckpt/step_000004", f"checkpoint.dir={out}/ckpt", f"out_dir={tmp_path}"])
     assert_one_line_error(result, "holds checkpoints newer than", "step_000008")
     assert sorted(p.name for p in (out / "ckpt").iterdir()) == before
+
+
+def test_ranks_that_see_different_checkpoint_files_stop_together_instead_of_training_apart(trained_run, data_dir,
+                                                                                            tmp_path):
+    """A network filesystem can show the ranks different files. Here each rank runs in its own working
+    directory, so a relative checkpoint.dir is a different directory per rank: rank 0 sees the step-4
+    checkpoint, rank 1 a newer one. Rank 0 decides, rank 1 cannot load rank 0's choice, and both stop with
+    that message; before, rank 1 resumed its own checkpoint and the two trained different states."""
+    out, _ = trained_run
+    for local_rank, step in [(0, 4), (1, 8)]:
+        shutil.copytree(out / "ckpt" / f"step_{step:06d}", tmp_path / f"rank{local_rank}" / "ckpt" / f"step_{step:06d}")
+    wrapper = tmp_path / "in_own_dir.sh"
+    wrapper.write_text(f'cd "{tmp_path}/rank$LOCAL_RANK" && exec "{sys.executable}" "{REPO}/train_ddp.py" "$@"\n')
+    result = run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+                  "--master-port", str(free_port()), "--no-python", "bash", str(wrapper), f"data.dir={data_dir}",
+                  *EIGHT_STEPS, "checkpoint.dir=ckpt", "out_dir=."])
+    assert_one_line_error(result, "rank 1: cannot load checkpoint ckpt/step_000004", under_torchrun=True)
+    assert not (tmp_path / "rank1" / "metrics.jsonl").exists() and not (tmp_path / "rank0" / "metrics.jsonl").exists()
+
+
+def test_checkpoints_are_ordered_by_step_number_and_old_ones_go_after_the_new_one_is_synced(tmp_path, monkeypatch):
+    """As strings, step_999900 sorts after step_1000000: pruning would delete the newest checkpoints."""
+    ckpt_dir = tmp_path / "ckpt"
+    for name in ["step_999900", "step_1000000"]:
+        (ckpt_dir / name).mkdir(parents=True)
+        for file_name in train_ddp.CHECKPOINT_FILES:
+            (ckpt_dir / name / file_name).write_bytes(b"")
+    (ckpt_dir / "step_notanumber").mkdir()
+    assert [p.name for p in train_ddp.complete_checkpoints(ckpt_dir)] == ["step_999900", "step_1000000"]
+    assert train_ddp.find_resume_checkpoint(ckpt_dir, "auto").name == "step_1000000"  # no `latest` pointer: a scan
+    events = []
+    monkeypatch.setattr(train_ddp, "fsync_dir", lambda path: events.append(("fsync", Path(path).name)))
+    real_rmtree = shutil.rmtree
+    monkeypatch.setattr(train_ddp.shutil, "rmtree", lambda path: events.append(("delete", Path(path).name)) or real_rmtree(path))
+    model = torch.nn.Linear(2, 2)
+    train_ddp.save_checkpoint(ckpt_dir, 1000001, 2, model, torch.optim.SGD(model.parameters(), lr=0.1),
+                              {"config": {"a": 1}})
+    assert [p.name for p in train_ddp.complete_checkpoints(ckpt_dir)] == ["step_1000000", "step_1000001"]
+    assert (ckpt_dir / "latest").read_text() == "step_1000001"
+    assert events.index(("fsync", "ckpt")) < events.index(("delete", "step_999900"))
+
+
+def test_one_rank_decides_and_a_failure_on_any_rank_stops_all(tmp_path):
+    """on_rank0 hands rank 0's answer to every rank; on_all_ranks lets rank 0 report another rank's failure."""
+    script = tmp_path / "agree.py"
+    script.write_text(f"""
+import json, os, sys
+sys.path.insert(0, {str(REPO)!r})
+import torch.distributed as dist
+import train_ddp
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+def fails_on(bad_rank):
+    if rank == bad_rank:
+        train_ddp.die(f"cannot read the file on rank {{rank}}")
+    return "fine"
+results = {{"picked": train_ddp.on_rank0(lambda: f"picked by rank {{rank}}")}}
+for name, helper in [("on_rank0", train_ddp.on_rank0), ("on_all_ranks", train_ddp.on_all_ranks)]:
+    for bad_rank in (0, 1):
+        try:
+            results[f"{{name}} failing on {{bad_rank}}"] = helper(fails_on, bad_rank)
+        except train_ddp.UserError as error:
+            results[f"{{name}} failing on {{bad_rank}}"] = "error: " + str(error)
+print("RESULT", rank, json.dumps(results, sort_keys=True), flush=True)
+dist.destroy_process_group()
+""")
+    result = torchrun(2, script)
+    per_rank = [json.loads(line.split(" ", 2)[2]) for line in result.stdout.splitlines() if line.startswith("RESULT")]
+    assert len(per_rank) == 2 and per_rank[0] == per_rank[1]
+    assert per_rank[0] == {
+        "picked": "picked by rank 0",
+        "on_rank0 failing on 0": "error: cannot read the file on rank 0",
+        "on_rank0 failing on 1": "fine",  # rank 1 never runs it
+        "on_all_ranks failing on 0": "error: rank 0: cannot read the file on rank 0",
+        "on_all_ranks failing on 1": "error: rank 1: cannot read the file on rank 1",
+    }
+
+
+def test_log_names_the_real_model_type_of_a_pretrained_model(data_dir, tmp_path):
+    from transformers import BertConfig, BertForMaskedLM
+    BertForMaskedLM(BertConfig(vocab_size=448, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                               intermediate_size=64, max_position_embeddings=64)).save_pretrained(tmp_path / "bert")
+    result = run([sys.executable, "train_ddp.py", f"data.dir={data_dir}", f"model.pretrained={tmp_path}/bert",
+                  "train.seq_len=64", "train.max_steps=1", "train.global_batch_size=4", "train.micro_batch_size=4",
+                  "train.eval_batches=1", f"out_dir={tmp_path}/out", f"checkpoint.dir={tmp_path}/ckpt"])
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "model bert (mlm)" in result.stdout  # config.yaml still says model.type=gpt2
 
 
 def test_exported_model_trains_further_as_model_pretrained(trained_run, data_dir, tmp_path):

@@ -3,12 +3,13 @@
     bash launch.sh                                  # every GPU of this machine (2 CPU processes without GPUs)
     torchrun --nproc_per_node 8 train_ddp.py train.max_steps=1000 optim.lr=3e-4
 
-The story, top to bottom: 1. config (config.yaml + key=value overrides), 2. distributed init,
-3. data (memory-mapped Arrow shards from preprocess.py, a sampler that depends only on
-(seed, epoch)), 4. model (a transformers config or a local pretrained path), 5. optimizer,
-6. checkpoint (full state, atomic, auto-resume), 7. training loop (bf16 autocast, gradient
-accumulation with DDP's overlapped all-reduce, periodic validation, logging, export).
-Read section 7 first if you want the training step; read `global_batch_plan` for the data split.
+`main()` tells the whole story in seven numbered sections: 1. config (config.yaml + key=value overrides),
+2. distributed init, 3. data (memory-mapped Arrow shards from preprocess.py, a sampler that depends only on
+(seed, epoch)), 4. model (a transformers config or a local pretrained path), 5. optimizer, 6. checkpoint
+(full state, atomic, auto-resume), 7. training loop (bf16 autocast, gradient accumulation with DDP's
+overlapped all-reduce, periodic validation, logging, export). The helpers follow `main()`, grouped under the
+same section numbers. Read section 7 first if you want the training step, `global_batch_plan` for the data split.
+Lines marked `# MLM` serve only masked-LM models (BERT): delete them for a causal-only trainer.
 """
 
 import contextlib
@@ -39,13 +40,12 @@ from transformers.utils import logging as transformers_logging
 IGNORE_INDEX = -100  # label value F.cross_entropy skips: padding and unmasked MLM positions
 
 
+class UserError(Exception):
+    """A foreseeable mistake (bad config, missing data, unreadable checkpoint): one clear line, no traceback."""
+
+
 def die(message):
-    """One clear line on rank 0, a non-zero exit on every rank: foreseeable mistakes get no traceback."""
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(f"error: {message}", file=sys.stderr, flush=True)
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    sys.exit(2)
+    raise UserError(message)
 
 
 def log0(*values):
@@ -53,7 +53,212 @@ def log0(*values):
         print(*values, flush=True)
 
 
-# ----------------------------------------------------------------------------- 1. config
+def main():
+    # ------------------------------------------------------------------------- 1. config
+    args = sys.argv[1:]
+    check_only = "--check" in args  # launch.sh validates the config before it starts any process
+    use_cuda = torch.cuda.is_available()
+    cfg = load_config([arg for arg in args if arg != "--check"], use_cuda)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    micro_batches_per_step = check_config(cfg, world_size)
+    if check_only:
+        for key in ["data.dir", "checkpoint.dir", "checkpoint.resume", "out_dir", "dist.timeout_s"]:
+            print(f"{key}={config_dict(cfg)[key]}")
+        return
+
+    # ------------------------------------------------------------------------- 2. distributed init
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)  # without it every rank would build its NCCL communicator on GPU 0
+    backend = cfg.dist.backend if cfg.dist.backend != "auto" else ("nccl" if use_cuda else "gloo")
+    timeout = timedelta(seconds=cfg.dist.timeout_s)
+    if "RANK" in os.environ:
+        dist.init_process_group(backend, timeout=timeout, device_id=device if use_cuda else None)
+    else:  # plain `python train_ddp.py`: a one-process group, so the code below has one path
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+
+    precision = choose_precision(cfg.train.precision, device)
+    autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    autocast = torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None)
+    # fp32 matmuls (all of an fp32 run, what autocast leaves in fp32) may use TF32 tensor cores: 10 mantissa
+    # bits instead of 23 (bf16 has 7); NVIDIA's A100 datasheet gives 156 TF32 vs 19.5 fp32 TFLOP/s
+    torch.set_float32_matmul_precision("high")
+    log0(
+        f"world size {world_size} ({backend}, {device.type}), precision {precision}, "
+        f"global batch {cfg.train.global_batch_size} sequences = {world_size} ranks x "
+        f"{micro_batches_per_step} micro-batches x {cfg.train.micro_batch_size} sequences"
+    )
+
+    # ------------------------------------------------------------------------- 3. data
+    data_dir = Path(cfg.data.dir)
+    meta = read_meta(data_dir)
+    task = "mlm" if cfg.model.task == "mlm" or (cfg.model.task == "auto" and is_masked_lm_type(cfg)) else "causal"
+    special = meta["special_tokens"]
+    train_data = ArrowTokens(data_dir, meta, "train", task, cfg.train.seq_len, special)
+    val_data = ArrowTokens(data_dir, meta, "val", task, cfg.train.seq_len, special)
+    for split, split_data in [("train", train_data), ("val", val_data)]:
+        if len(split_data) == 0:
+            die(f"the {split} split of {data_dir} has no {task} samples of seq_len {cfg.train.seq_len} -> "
+                "prepare more text with preprocess.py, lower train.seq_len or raise data.val_fraction")
+    log0(f"data {data_dir}: {task} samples train {len(train_data):,} val {len(val_data):,} "
+         f"({meta['splits']['train']['tokens']:,} train tokens)")
+
+    # ------------------------------------------------------------------------- 4. model
+    padded_vocab_size = math.ceil(meta["vocab_size"] / 64) * 64  # as nanoGPT does: matmul-friendly sizes
+    torch.manual_seed(cfg.train.seed)  # the same initial weights on every rank
+    raw_model, attention = build_model(cfg, task, padded_vocab_size, special, device)
+    raw_model.to(device)
+    # model FLOPs per token, PaLM's formula (Chowdhery et al. 2022, app. B): 6N for the matmuls forward and
+    # backward, plus attention's 12 x layers x width x sequence length
+    attention_flops = 12 * raw_model.config.num_hidden_layers * raw_model.config.hidden_size * cfg.train.seq_len
+    flops_per_token = 6 * count_matmul_params(raw_model) + attention_flops
+    log0(f"model {raw_model.config.model_type} ({task}), {sum(p.numel() for p in raw_model.parameters()) / 1e6:.1f}M "
+         f"parameters, attention {attention}, vocab {meta['vocab_size']} padded to {padded_vocab_size}")
+    # dropout differs per rank on purpose (different data); seeded from (seed, rank) so a run is repeatable
+    torch.manual_seed(int(np.random.SeedSequence([cfg.train.seed, rank]).generate_state(1)[0]))
+
+    # ------------------------------------------------------------------------- 5. optimizer
+    decay = [p for p in raw_model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in raw_model.parameters() if p.requires_grad and p.dim() < 2]  # biases, norm weights
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps,
+        fused=use_cuda,  # the whole update in one multi-tensor kernel; the default (foreach) runs one per operation
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg))
+    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")  # fp16 gradients underflow without it
+
+    # ------------------------------------------------------------------------- 6. checkpoint
+    ckpt_dir = Path(cfg.checkpoint.dir)
+    # Rank 0 alone picks the checkpoint: ranks that list the directory themselves can see different files
+    # (network filesystems cache directory listings) and would then train different weights, silently.
+    resume_dir = on_rank0(find_resume_checkpoint, ckpt_dir, cfg.checkpoint.resume)
+    step, samples_seen, tokens_seen = 0, 0, 0
+    if resume_dir is not None:
+        train_state = on_all_ranks(load_checkpoint, resume_dir, raw_model, optimizer, scheduler, scaler, cfg)
+        step, samples_seen, tokens_seen = train_state["step"], train_state["samples_seen"], train_state["tokens_seen"]
+        restore_rng(train_state["rng"], rank, cfg.train.seed, step)
+        if train_state.get("data_fingerprint") != meta.get("fingerprint"):
+            log0(f"warning: {data_dir} was rebuilt since {resume_dir} was written; the data position may not match")
+        log0(f"resumed from {resume_dir}: step {step}, {samples_seen:,} samples, {tokens_seen:,} tokens seen")
+
+    # ------------------------------------------------------------------------- 7. training loop
+    # Wrapped after loading: DDP's constructor copies rank 0's weights to every rank.
+    ddp_model = DDP(raw_model, device_ids=[local_rank] if use_cuda else None,
+                    gradient_as_bucket_view=True)  # gradients live in the all-reduce buckets: no second copy
+    use_compile = cfg.train.compile == "true" or (cfg.train.compile == "auto" and use_cuda)
+    # Dynamo splits the compiled graph at DDP's bucket boundaries whenever it compiles code running inside
+    # DDP's forward, whichever of the two wraps the other (DDPOptimizer, torch/_dynamo/convert_frame.py):
+    # each bucket's all-reduce then starts while backward is still computing the earlier layers.
+    model = torch.compile(ddp_model) if use_compile else ddp_model
+    out_dir = Path(cfg.out_dir)
+    metrics_file = None
+    if rank == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        metrics_file = open(out_dir / "metrics.jsonl", "a")  # append: a resumed run continues the same file
+        metrics_file.write(json.dumps({"kind": "start", "step": step, "world_size": world_size, "time": time.time()}) + "\n")
+    peak_flops = peak_flops_per_gpu(device, cfg.log.peak_tflops)
+    if step == 0:
+        val_loss = evaluate(model, val_data, cfg, world_size, rank, device, autocast)
+        log0(f"step 0 | val loss {val_loss:.4f}")
+        write_metrics(metrics_file, {"kind": "val", "step": 0, "val_loss": val_loss})
+
+    model.train()
+    interval_loss_sum = torch.zeros((), device=device, dtype=torch.float64)  # this rank's, stays on the GPU
+    interval_steps, interval_input_tokens, interval_label_tokens = 0, 0, 0
+    interval_start, paused_s = time.perf_counter(), 0.0
+    while step < cfg.train.max_steps:
+        micro_batches, step_input_tokens, step_label_tokens = rank_batches(
+            train_data, samples_seen, cfg.train.seed, cfg, world_size, rank, device)
+        # The step's gradient must be that of the mean loss over every label token of the global batch, however
+        # the batch is split into ranks and micro-batches. The common recipe (the mean of each micro-batch,
+        # divided by the number of micro-batches) over-weights tokens of short micro-batches. So each micro-batch
+        # contributes sum(loss) / (label tokens of the whole global batch), a count every rank makes on the host
+        # from the shared batch plan: no communication, no wait for the GPU. DDP then averages over ranks;
+        # the factor world_size undoes that mean.
+        loss_scale = world_size / max(1, step_label_tokens)
+        for index, batch in enumerate(micro_batches):
+            is_last = index == len(micro_batches) - 1
+            # no_sync: accumulate locally; only the last backward all-reduces, overlapped with compute
+            with contextlib.nullcontext() if is_last else ddp_model.no_sync():
+                with autocast:
+                    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+                loss_sum = token_loss_sum(logits, batch["labels"])
+                scaler.scale(loss_sum * loss_scale).backward()
+            interval_loss_sum += loss_sum.detach()
+        scaler.unscale_(optimizer)  # clip the true gradient, not the fp16-scaled one
+        grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.optim.grad_clip or float("inf"))
+        scaler.step(optimizer)  # fp16 only: it reads the inf/NaN check on the host, one wait for the GPU
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        step_lr = scheduler.get_last_lr()[0]  # the rate this step used: after scheduler.step() it is the next one's
+        scheduler.step()
+        step += 1
+        samples_seen += cfg.train.global_batch_size
+        tokens_seen += step_input_tokens
+        interval_steps += 1
+        interval_input_tokens += step_input_tokens
+        interval_label_tokens += step_label_tokens
+
+        if step % cfg.log.every == 0 or step == cfg.train.max_steps:
+            dist.all_reduce(interval_loss_sum)
+            loss = interval_loss_sum.item() / max(1, interval_label_tokens)  # waits for the GPU: the clock below
+            elapsed = time.perf_counter() - interval_start - paused_s  # then counts finished work only
+            tokens_per_sec = interval_input_tokens / elapsed
+            record = {
+                "kind": "train", "step": step, "loss": loss, "grad_norm": grad_norm.item(), "lr": step_lr,
+                "tokens_per_sec": tokens_per_sec, "tokens_seen": tokens_seen,
+                "eta_s": elapsed / interval_steps * (cfg.train.max_steps - step),
+            }
+            line = (f"step {step}/{cfg.train.max_steps} | loss {loss:.4f} | lr {step_lr:.2e} | "
+                    f"grad {record['grad_norm']:.3f} | {tokens_per_sec / 1e3:.1f}k tok/s")
+            if peak_flops:
+                record["mfu"] = flops_per_token * tokens_per_sec / (peak_flops * world_size)
+                line += f" | MFU {100 * record['mfu']:.1f}%"
+            if use_cuda:
+                gib = 2**30
+                record["mem_alloc_gib"] = torch.cuda.memory_allocated() / gib
+                record["mem_reserved_gib"] = torch.cuda.memory_reserved() / gib
+                record["mem_peak_gib"] = torch.cuda.max_memory_allocated() / gib
+                line += (f" | mem {record['mem_alloc_gib']:.1f}/{record['mem_reserved_gib']:.1f}/"
+                         f"{record['mem_peak_gib']:.1f} GiB alloc/res/peak")
+            log0(line + f" | ETA {format_seconds(record['eta_s'])}")
+            write_metrics(metrics_file, record)
+            interval_loss_sum.zero_()
+            interval_steps, interval_input_tokens, interval_label_tokens = 0, 0, 0
+            interval_start, paused_s = time.perf_counter(), 0.0
+
+        evaluate_now = step % cfg.train.eval_every == 0 or step == cfg.train.max_steps
+        save_now = step % cfg.checkpoint.every == 0 or step == cfg.train.max_steps
+        if evaluate_now or save_now:  # validation and checkpoints are not training throughput
+            if use_cuda:
+                torch.cuda.synchronize()  # the step's own GPU work counts as training time, not as the pause
+            pause_start = time.perf_counter()
+            if evaluate_now:
+                val_loss = evaluate(model, val_data, cfg, world_size, rank, device, autocast)
+                log0(f"step {step} | val loss {val_loss:.4f}")
+                write_metrics(metrics_file, {"kind": "val", "step": step, "val_loss": val_loss})
+            if save_now:
+                rng_states = [None] * world_size
+                dist.all_gather_object(rng_states, rng_state(use_cuda))
+                train_state = {
+                    "step": step, "samples_seen": samples_seen, "tokens_seen": tokens_seen, "rng": rng_states,
+                    "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(), "config": config_dict(cfg),
+                    "data_fingerprint": meta.get("fingerprint"), "world_size": world_size,
+                }
+                on_rank0(save_checkpoint, ckpt_dir, step, cfg.checkpoint.keep, raw_model, optimizer, train_state)
+                log0(f"checkpoint {ckpt_dir / f'step_{step:06d}'} written")
+            paused_s += time.perf_counter() - pause_start
+
+    if rank == 0:
+        export_final(raw_model, data_dir, meta, out_dir / "final", task, cfg, device)
+        metrics_file.close()
+    dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- 1. config (helpers)
 
 CHOICES = {
     "model.task": ["auto", "causal", "mlm"],
@@ -61,6 +266,36 @@ CHOICES = {
     "train.precision": ["auto", "bf16", "fp16", "fp32"],
     "train.compile": ["auto", "true", "false"],
     "dist.backend": ["auto", "nccl", "gloo"],
+}
+
+# What each number may be. A value of the right type can still train wrongly and exit 0: grad_clip=-1 flips
+# every gradient (clip_grad_norm_ multiplies by max_norm / norm), warmup_steps=-5 starts with a negative rate.
+RANGES = {
+    "model.n_layer": (lambda v: v >= 1, "of at least 1"),
+    "model.n_head": (lambda v: v >= 1, "of at least 1"),
+    "model.n_embd": (lambda v: v >= 1, "of at least 1"),
+    "model.dropout": (lambda v: 0 <= v < 1, "from 0 up to (not including) 1"),
+    "train.seq_len": (lambda v: v >= 3, "of at least 3 (a masked LM sample is [CLS] token [SEP])"),
+    "train.global_batch_size": (lambda v: v >= 1, "of at least 1"),
+    "train.micro_batch_size": (lambda v: v >= 1, "of at least 1"),
+    "train.max_steps": (lambda v: v >= 1, "of at least 1"),
+    "train.eval_every": (lambda v: v >= 1, "of at least 1"),
+    "train.eval_batches": (lambda v: v >= 1, "of at least 1"),
+    "train.mlm_probability": (lambda v: 0 < v < 1, "between 0 and 1"),
+    "optim.lr": (lambda v: v > 0, "above 0"),
+    "optim.min_lr": (lambda v: v >= 0, "of at least 0"),
+    "optim.warmup_steps": (lambda v: v >= 0, "of at least 0"),
+    "optim.weight_decay": (lambda v: v >= 0, "of at least 0"),
+    "optim.beta1": (lambda v: 0 <= v < 1, "from 0 up to (not including) 1"),
+    "optim.beta2": (lambda v: 0 <= v < 1, "from 0 up to (not including) 1"),
+    "optim.eps": (lambda v: v > 0, "above 0"),
+    "optim.grad_clip": (lambda v: v >= 0, "of at least 0 (0 = no clipping)"),
+    "checkpoint.every": (lambda v: v >= 1, "of at least 1"),
+    "checkpoint.keep": (lambda v: v >= 1, "of at least 1"),
+    "log.every": (lambda v: v >= 1, "of at least 1"),
+    "log.sample_tokens": (lambda v: v >= 0, "of at least 0"),
+    "log.peak_tflops": (lambda v: v >= 0, "of at least 0 (0 = look the GPU up)"),
+    "dist.timeout_s": (lambda v: v > 0, "above 0"),
 }
 
 
@@ -112,9 +347,14 @@ def load_config(args, use_cuda):
     if not config_path.is_file():
         die(f"config file {config_path} not found -> pass the path of a config.yaml as first argument")
     try:
-        flat = flatten(yaml.load(config_path.read_text(), Loader=ConfigLoader))
+        tree = yaml.load(config_path.read_text(), Loader=ConfigLoader)
     except yaml.YAMLError as error:
-        die(f"{config_path} is not valid YAML ({str(error).splitlines()[0]}) -> fix that line")
+        mark = getattr(error, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "somewhere"
+        die(f"{config_path} is not valid YAML at {where} ({getattr(error, 'problem', None) or error}) -> fix that line")
+    if not isinstance(tree, dict):
+        die(f"{config_path} does not hold `key: value` sections -> start again from the config.yaml of this repository")
+    flat = flatten(tree)
     cpu_preset = flat.pop("cpu_preset", None) or {}
     overrides = {}
     if not use_cuda:
@@ -136,269 +376,78 @@ def load_config(args, use_cuda):
         for section in sections:
             node = node.setdefault(section, {})
         node[name] = value
-    cfg = SimpleNamespace(**{k: SimpleNamespace(**v) if isinstance(v, dict) else v for k, v in tree.items()})
-    return cfg, flat
+    return SimpleNamespace(**{k: SimpleNamespace(**v) if isinstance(v, dict) else v for k, v in tree.items()})
 
 
-def main():
-    args = sys.argv[1:]
-    check_only = "--check" in args  # launch.sh validates the config before it starts any process
-    args = [arg for arg in args if arg != "--check"]
-    use_cuda = torch.cuda.is_available()
-    cfg, flat_config = load_config(args, use_cuda)
+def config_dict(cfg):
+    """The config as flat `section.key: value` pairs: what a checkpoint stores and --check prints."""
+    return flatten({key: vars(value) if isinstance(value, SimpleNamespace) else value for key, value in vars(cfg).items()})
 
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    rank_batch_size = cfg.train.global_batch_size // world_size
+
+def check_config(cfg, world_size):
+    """Every number in its range and a global batch that splits evenly; returns micro-batches per step."""
+    values = config_dict(cfg)
+    for key, (is_valid, allowed) in RANGES.items():
+        value = values.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            die(f"{key}={value} in the config file is not a number -> give it a value {allowed}")
+        if not is_valid(value):
+            die(f"{key}={value} is out of range -> give it a value {allowed}")
+    if cfg.optim.min_lr > cfg.optim.lr:
+        die(f"optim.min_lr={cfg.optim.min_lr} is above optim.lr={cfg.optim.lr} -> the decay ends at min_lr: lower it")
     sequences_per_round = cfg.train.micro_batch_size * world_size
     if cfg.train.global_batch_size % sequences_per_round:
         nearest = max(1, round(cfg.train.global_batch_size / sequences_per_round)) * sequences_per_round
         die(f"train.global_batch_size={cfg.train.global_batch_size} is not a multiple of train.micro_batch_size "
             f"x world size = {cfg.train.micro_batch_size} x {world_size} -> use e.g. train.global_batch_size={nearest}")
-    micro_batches_per_step = rank_batch_size // cfg.train.micro_batch_size
-    for key in ["train.max_steps", "train.seq_len", "train.micro_batch_size", "train.eval_every", "train.eval_batches",
-                "log.every", "checkpoint.every", "checkpoint.keep", "optim.lr", "dist.timeout_s"]:
-        if flat_config[key] <= 0:
-            die(f"{key}={flat_config[key]} must be positive -> give a value above 0")
-    if check_only:
-        for key in ["data.dir", "checkpoint.dir", "checkpoint.resume", "out_dir", "dist.timeout_s"]:
-            print(f"{key}={flat_config[key]}")
-        return
+    return cfg.train.global_batch_size // sequences_per_round
 
-    # ------------------------------------------------------------------------- 2. distributed init
-    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)  # without it every rank would build its NCCL communicator on GPU 0
-    backend = cfg.dist.backend if cfg.dist.backend != "auto" else ("nccl" if use_cuda else "gloo")
-    timeout = timedelta(seconds=cfg.dist.timeout_s)
-    if "RANK" in os.environ:
-        dist.init_process_group(backend, timeout=timeout, device_id=device if use_cuda else None)
-    else:  # plain `python train_ddp.py`: a one-process group, so the code below has one path
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
 
-    precision = cfg.train.precision
-    if precision == "auto":
-        precision = "fp32" if not use_cuda else ("bf16" if torch.cuda.is_bf16_supported() else "fp16")
-    if precision == "fp16" and not use_cuda:
+# ----------------------------------------------------------------------------- 2. distributed init (helpers)
+
+def choose_precision(requested, device):
+    if requested == "fp16" and device.type != "cuda":
         die("train.precision=fp16 needs a CUDA GPU (GradScaler) -> use train.precision=fp32 or bf16 on CPU")
-    autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
-    autocast = torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None)
-    torch.set_float32_matmul_precision("high")  # TF32 matmuls: ~8x the fp32 rate on Ampere+ at bf16-level accuracy
-    log0(
-        f"world size {world_size} ({backend}, {device.type}), precision {precision}, "
-        f"global batch {cfg.train.global_batch_size} sequences = {world_size} ranks x "
-        f"{micro_batches_per_step} micro-batches x {cfg.train.micro_batch_size} sequences"
-    )
+    if requested != "auto":
+        return requested
+    if device.type != "cuda":
+        return "fp32"
+    # Not torch.cuda.is_bf16_supported(): it also says True on V100 and T4 (bf16 emulated, no bf16 tensor
+    # cores), so fp16 with its GradScaler would never run where it is needed. bf16 tensor cores start with
+    # compute capability 8.0 (Ampere).
+    return "bf16" if torch.cuda.get_device_capability(device) >= (8, 0) else "fp16"
 
-    # ------------------------------------------------------------------------- 3. data
-    data_dir = Path(cfg.data.dir)
-    meta = read_meta(data_dir)
-    model_type_is_mlm = cfg.model.task == "mlm" or (cfg.model.task == "auto" and is_masked_lm_type(cfg))
-    task = "mlm" if model_type_is_mlm else "causal"
-    special = meta["special_tokens"]
-    train_data = ArrowTokens(data_dir, meta, "train", task, cfg.train.seq_len, special)
-    val_data = ArrowTokens(data_dir, meta, "val", task, cfg.train.seq_len, special)
-    for split, split_data in [("train", train_data), ("val", val_data)]:
-        if len(split_data) == 0:
-            die(f"the {split} split of {data_dir} has no {task} samples of seq_len {cfg.train.seq_len} -> "
-                "prepare more text with preprocess.py, lower train.seq_len or raise data.val_fraction")
-    log0(f"data {data_dir}: {task} samples train {len(train_data):,} val {len(val_data):,} "
-         f"({meta['splits']['train']['tokens']:,} train tokens)")
 
-    def make_rank_batches(split_data, position, seed):
-        """This rank's micro-batches of the global batch that starts at `position` (in samples),
-        and the number of input tokens in the whole global batch (every rank knows the plan)."""
-        plan = global_batch_plan(position, cfg.train.global_batch_size, len(split_data), seed,
-                                 cfg.train.micro_batch_size, world_size, split_data.length if task == "mlm" else None)
-        global_tokens = sum(split_data.length(int(i)) for rank_plan in plan for ids, _ in rank_plan for i in ids)
-        return [make_micro_batch(split_data, sample_ids, epochs, cfg, special, device)
-                for sample_ids, epochs in plan[rank]], global_tokens
+def on_rank0(function, *args):
+    """Run `function` on rank 0 alone and hand its result to every rank; if it fails, every rank stops
+    with its message (a failure on rank 0 alone would leave the others waiting until the timeout)."""
+    outcome = [None, None]
+    if dist.get_rank() == 0:
+        try:
+            outcome = [function(*args), None]
+        except UserError as error:
+            outcome = [None, str(error)]
+    dist.broadcast_object_list(outcome, src=0)
+    if outcome[1]:
+        die(outcome[1])
+    return outcome[0]
 
-    # ------------------------------------------------------------------------- 4. model
-    padded_vocab_size = math.ceil(meta["vocab_size"] / 64) * 64  # tensor cores want multiples of 64
-    torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank (DDP also broadcasts rank 0's)
-    raw_model, attention = build_model(cfg, task, padded_vocab_size, special, use_cuda)
-    raw_model.to(device)
-    # model FLOPs per token, PaLM's formula (Chowdhery et al. 2022, app. B): 6N for the matmuls forward and
-    # backward, plus attention's 12 x layers x width x sequence length
-    attention_flops = 12 * raw_model.config.num_hidden_layers * raw_model.config.hidden_size * cfg.train.seq_len
-    flops_per_token = 6 * count_matmul_params(raw_model) + attention_flops
-    log0(f"model {cfg.model.type} ({task}), {sum(p.numel() for p in raw_model.parameters()) / 1e6:.1f}M parameters, "
-         f"attention {attention}, vocab {meta['vocab_size']} padded to {padded_vocab_size}")
-    model = DDP(raw_model, device_ids=[local_rank] if use_cuda else None, gradient_as_bucket_view=True)
-    use_compile = cfg.train.compile == "true" or (cfg.train.compile == "auto" and use_cuda)
-    # compile the DDP wrapper, not the bare model: then Dynamo splits the graph at DDP's buckets
-    # and the all-reduce of one bucket overlaps with the backward of the next
-    forward = torch.compile(model) if use_compile else model
-    # dropout differs per rank on purpose (different data); seeded from (seed, rank) so a run is repeatable
-    torch.manual_seed(int(np.random.SeedSequence([cfg.train.seed, rank]).generate_state(1)[0]))
 
-    # ------------------------------------------------------------------------- 5. optimizer
-    decay = [p for p in raw_model.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in raw_model.parameters() if p.requires_grad and p.dim() < 2]  # biases, norm weights
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps,
-        fused=use_cuda,  # one kernel for all parameters instead of several per tensor
-    )
-
-    def lr_factor(step):
-        """Linear warmup, then cosine decay to min_lr at max_steps (a multiplier of optim.lr)."""
-        if step < cfg.optim.warmup_steps:
-            return (step + 1) / cfg.optim.warmup_steps
-        progress = min(1.0, (step - cfg.optim.warmup_steps) / max(1, cfg.train.max_steps - cfg.optim.warmup_steps))
-        min_factor = cfg.optim.min_lr / cfg.optim.lr
-        return min_factor + (1 - min_factor) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
-    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")  # fp16 gradients underflow without it
-
-    # ------------------------------------------------------------------------- 6. checkpoint
-    ckpt_dir = Path(cfg.checkpoint.dir)
-    resume_dir = find_resume_checkpoint(ckpt_dir, cfg.checkpoint.resume)
-    step, samples_seen, tokens_seen = 0, 0, 0
-    if resume_dir is not None:
-        train_state = load_checkpoint(resume_dir, raw_model, optimizer, scheduler, scaler, flat_config)
-        step, samples_seen, tokens_seen = train_state["step"], train_state["samples_seen"], train_state["tokens_seen"]
-        restore_rng(train_state["rng"], rank, cfg.train.seed, step)
-        if train_state.get("data_fingerprint") != meta.get("fingerprint"):
-            log0(f"warning: {data_dir} was rebuilt since {resume_dir} was written; the data position may not match")
-        log0(f"resumed from {resume_dir}: step {step}, {samples_seen:,} samples, {tokens_seen:,} tokens seen")
-
-    def save(step):
-        rng_states = [None] * world_size
-        dist.all_gather_object(rng_states, rng_state(use_cuda))
-        error = None
-        if rank == 0:
-            try:
-                save_checkpoint(ckpt_dir, step, cfg.checkpoint.keep, raw_model, optimizer, {
-                    "step": step, "samples_seen": samples_seen, "tokens_seen": tokens_seen, "rng": rng_states,
-                    "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(), "config": flat_config,
-                    "data_fingerprint": meta.get("fingerprint"), "world_size": world_size,
-                })
-            except OSError as exc:
-                error = f"cannot write checkpoint to {ckpt_dir} ({exc}) -> free disk space or set checkpoint.dir"
-        verdict = [error]
-        dist.broadcast_object_list(verdict, src=0)  # every rank stops together if rank 0 could not write
-        if verdict[0]:
-            die(verdict[0])
-        log0(f"checkpoint {ckpt_dir / f'step_{step:06d}'} written")
-
-    # ------------------------------------------------------------------------- 7. training loop
-    out_dir = Path(cfg.out_dir)
-    metrics_file = None
-    if rank == 0:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        metrics_file = open(out_dir / "metrics.jsonl", "a")  # append: a resumed run continues the same file
-        start_record = {"kind": "start", "step": step, "world_size": world_size, "time": time.time()}
-        metrics_file.write(json.dumps(start_record) + "\n")
-    peak_flops = gpu_peak_flops(device) if use_cuda else None
-
-    def evaluate():
-        """Mean loss per token over the same validation batches every time, computed by all ranks together
-        (a rank-0-only evaluation deadlocks the next collective)."""
-        model.eval()
-        totals = torch.zeros(2, device=device, dtype=torch.float64)
-        with torch.no_grad():
-            for batch_index in range(cfg.train.eval_batches):
-                position = (batch_index * cfg.train.global_batch_size) % len(val_data)
-                for batch in make_rank_batches(val_data, position, seed=None)[0]:
-                    with autocast:
-                        logits = forward(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-                    totals[0] += token_loss_sum(logits, batch["labels"])
-                    totals[1] += batch["label_tokens"]
-        dist.all_reduce(totals)
-        model.train()
-        return (totals[0] / totals[1]).item()
-
-    def log_metrics(record):
-        if metrics_file:
-            metrics_file.write(json.dumps(record) + "\n")
-            metrics_file.flush()
-
-    if step == 0:
-        val_loss = evaluate()
-        log0(f"step 0 | val loss {val_loss:.4f}")
-        log_metrics({"kind": "val", "step": 0, "val_loss": val_loss})
-
-    model.train()
-    interval_loss = torch.zeros(2, device=device, dtype=torch.float64)  # summed loss, label tokens
-    interval_start, interval_steps, interval_tokens, paused_s = time.perf_counter(), 0, 0, 0.0
-    while step < cfg.train.max_steps:
-        micro_batches, step_tokens = make_rank_batches(train_data, samples_seen, seed=cfg.train.seed)
-        # The step's gradient must be that of the mean loss over every label token of the global batch,
-        # however the batch is split into ranks and micro-batches. Averaging per-micro-batch means
-        # (the common recipe) over-weights short sequences. So count the tokens of the whole global
-        # batch first, then each micro-batch contributes sum(loss) / global_tokens.
-        global_label_tokens = torch.tensor(float(sum(b["label_tokens"] for b in micro_batches)), device=device)
-        dist.all_reduce(global_label_tokens)
-        global_label_tokens.clamp_(min=1)  # a masked LM batch with no masked token has zero loss, not NaN
-        for index, batch in enumerate(micro_batches):
-            is_last = index == len(micro_batches) - 1
-            # no_sync: accumulate locally; only the last backward all-reduces, overlapped with compute
-            with contextlib.nullcontext() if is_last else model.no_sync():
-                with autocast:
-                    logits = forward(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-                loss_sum = token_loss_sum(logits, batch["labels"])
-                # DDP divides the summed gradient by world_size; multiplying by it undoes that mean
-                scaler.scale(loss_sum * world_size / global_label_tokens).backward()
-            interval_loss[0] += loss_sum.detach()
-            interval_loss[1] += batch["label_tokens"]
-        scaler.unscale_(optimizer)  # clip the true gradient, not the fp16-scaled one
-        grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.optim.grad_clip or float("inf"))
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
-        step += 1
-        samples_seen += cfg.train.global_batch_size
-        tokens_seen += step_tokens
-        interval_steps += 1
-        interval_tokens += step_tokens
-
-        if step % cfg.log.every == 0 or step == cfg.train.max_steps:
-            dist.all_reduce(interval_loss)  # loss over all ranks
-            loss = (interval_loss[0] / interval_loss[1]).item()  # the interval's only wait for the GPU, so the
-            elapsed = time.perf_counter() - interval_start - paused_s  # clock is read after the work is done
-            tokens_per_sec = interval_tokens / elapsed
-            record = {
-                "kind": "train", "step": step, "loss": loss,
-                "grad_norm": grad_norm.item(), "lr": scheduler.get_last_lr()[0],
-                "tokens_per_sec": tokens_per_sec, "tokens_seen": tokens_seen,
-                "eta_s": elapsed / interval_steps * (cfg.train.max_steps - step),
-            }
-            line = (f"step {step}/{cfg.train.max_steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
-                    f"grad {record['grad_norm']:.3f} | {tokens_per_sec / 1e3:.1f}k tok/s")
-            if peak_flops:
-                record["mfu"] = flops_per_token * tokens_per_sec / (peak_flops * world_size)
-                line += f" | MFU {100 * record['mfu']:.1f}%"
-            if use_cuda:
-                gib = 2**30
-                record["mem_alloc_gib"] = torch.cuda.memory_allocated() / gib
-                record["mem_reserved_gib"] = torch.cuda.memory_reserved() / gib
-                record["mem_peak_gib"] = torch.cuda.max_memory_allocated() / gib
-                line += (f" | mem {record['mem_alloc_gib']:.1f}/{record['mem_reserved_gib']:.1f}/"
-                         f"{record['mem_peak_gib']:.1f} GiB alloc/res/peak")
-            log0(line + f" | ETA {format_seconds(record['eta_s'])}")
-            log_metrics(record)
-            interval_loss.zero_()
-            interval_start, interval_steps, interval_tokens, paused_s = time.perf_counter(), 0, 0, 0.0
-
-        pause_start = time.perf_counter()  # validation and checkpoints are not training throughput
-        if step % cfg.train.eval_every == 0 or step == cfg.train.max_steps:
-            val_loss = evaluate()
-            log0(f"step {step} | val loss {val_loss:.4f}")
-            log_metrics({"kind": "val", "step": step, "val_loss": val_loss})
-        if step % cfg.checkpoint.every == 0 or step == cfg.train.max_steps:
-            save(step)
-        paused_s += time.perf_counter() - pause_start
-
-    if rank == 0:
-        export_final(raw_model, data_dir, meta, out_dir / "final", task, cfg, device)
-        metrics_file.close()
-    dist.barrier()  # without it gloo ranks that exit first made the others die with SIGABRT
-    dist.destroy_process_group()
+def on_all_ranks(function, *args):
+    """Run `function` on every rank; if it fails on any rank, every rank stops, and rank 0 prints that rank's
+    message (a file only one node cannot read would otherwise be reported by nobody)."""
+    result, error = None, None
+    try:
+        result = function(*args)
+    except UserError as failure:
+        error = str(failure)
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    failed = [(failed_rank, message) for failed_rank, message in enumerate(errors) if message]
+    if failed:
+        failed_rank, message = failed[0]
+        die(message if dist.get_world_size() == 1 else f"rank {failed_rank}: {message}")
+    return result
 
 
 # ----------------------------------------------------------------------------- 3. data (helpers)
@@ -411,13 +460,15 @@ def read_meta(data_dir):
         meta = json.loads(meta_path.read_text())
     except (OSError, json.JSONDecodeError) as error:
         die(f"{meta_path} is unreadable ({error}) -> rebuild it: python preprocess.py --out {data_dir} --force")
-    if meta.get("format_version") != 1:
-        die(f"{meta_path} has format version {meta.get('format_version')}, this trainer reads 1 -> rebuild with --force")
+    if not isinstance(meta, dict) or meta.get("format_version") != 1:
+        version = meta.get("format_version") if isinstance(meta, dict) else None
+        die(f"{meta_path} has format version {version}, this trainer reads 1 -> rebuild with --force")
     return meta
 
 
 class ArrowTokens:
-    """Samples of one split, read straight from memory-mapped Arrow files (no copy, any corpus size).
+    """Samples of one split, read straight from memory-mapped Arrow files: the tokens are never copied into
+    memory as a whole (the epoch permutation, though, holds 8 bytes per sample on every rank).
 
     Causal LM: every row already ends with end-of-text, so the column's flat values are the
     concatenated token stream; sample i is the block stream[i*L : i*L + L + 1] (inputs and shifted labels).
@@ -459,7 +510,7 @@ class ArrowTokens:
             piece += 1
         return out
 
-    def document(self, index):
+    def document(self, index):  # MLM
         piece = int(np.searchsorted(self.doc_starts, index, side="right")) - 1
         row = index - self.doc_starts[piece]
         begin, end = self.doc_offsets[piece][row], self.doc_offsets[piece][row + 1] - 1  # drop end-of-text
@@ -469,15 +520,15 @@ class ArrowTokens:
         """Input tokens of sample `index`, without reading its tokens."""
         if self.task == "causal":
             return self.seq_len
-        piece = int(np.searchsorted(self.doc_starts, index, side="right")) - 1
-        row = index - self.doc_starts[piece]
-        return min(int(self.doc_offsets[piece][row + 1] - self.doc_offsets[piece][row]) - 1, self.seq_len - 2) + 2
+        piece = int(np.searchsorted(self.doc_starts, index, side="right")) - 1  # MLM
+        row = index - self.doc_starts[piece]  # MLM
+        return min(int(self.doc_offsets[piece][row + 1] - self.doc_offsets[piece][row]) - 1, self.seq_len - 2) + 2  # MLM
 
     def sample(self, index):
         if self.task == "causal":
             return self.span(index * self.seq_len, self.seq_len + 1)
-        doc = self.document(index).astype(np.int64)
-        return np.concatenate([[self.special["cls"]], doc, [self.special["sep"]]])
+        doc = self.document(index).astype(np.int64)  # MLM
+        return np.concatenate([[self.special["cls"]], doc, [self.special["sep"]]])  # MLM
 
 
 _permutation_cache = {}
@@ -508,9 +559,9 @@ def global_batch_plan(position, global_batch_size, num_samples, seed, micro_batc
         sample_ids = indices
     else:
         sample_ids = np.array([epoch_permutation(seed, e, num_samples)[i] for e, i in zip(epochs, indices)])
-    if length_of is not None:
-        order = sorted(range(global_batch_size), key=lambda k: (length_of(sample_ids[k]), k))
-        sample_ids, epochs = sample_ids[order], epochs[order]
+    if length_of is not None:  # MLM
+        order = sorted(range(global_batch_size), key=lambda k: (length_of(sample_ids[k]), k))  # MLM
+        sample_ids, epochs = sample_ids[order], epochs[order]  # MLM
     plan = [[] for _ in range(world_size)]
     for micro_index in range(global_batch_size // micro_batch_size):
         chosen = slice(micro_index * micro_batch_size, (micro_index + 1) * micro_batch_size)
@@ -518,13 +569,34 @@ def global_batch_plan(position, global_batch_size, num_samples, seed, micro_batc
     return plan
 
 
-def mask_tokens(tokens, seed, epoch, sample_id, special, vocab_size, probability):
-    """BERT masking of one sample: a function of (seed, epoch, sample id) only, so the result does
-    not depend on the rank or micro-batch that happens to process the sample."""
+def rank_batches(split_data, position, shuffle_seed, cfg, world_size, rank, device):
+    """This rank's micro-batches of the global batch that starts at sample `position`, and the input and
+    label token counts of the whole global batch, which every rank computes alike from the shared plan."""
+    is_mlm = split_data.task == "mlm"
+    plan = global_batch_plan(position, cfg.train.global_batch_size, len(split_data), shuffle_seed,
+                             cfg.train.micro_batch_size, world_size, split_data.length if is_mlm else None)
+    every_sample = [(int(i), int(e)) for rank_plan in plan for ids, epochs in rank_plan for i, e in zip(ids, epochs)]
+    input_tokens = sum(split_data.length(i) for i, _ in every_sample)
+    label_tokens = len(every_sample) * split_data.seq_len  # causal LM: every position is predicted
+    if is_mlm:  # MLM: the masked positions, drawn exactly as make_micro_batch will draw them
+        label_tokens = sum(len(choose_masked(cfg.train.seed, e, i, split_data.length(i), cfg.train.mlm_probability)[1])
+                           for i, e in every_sample)
+    micro_batches = [make_micro_batch(split_data, ids, epochs, cfg, split_data.special, device)
+                     for ids, epochs in plan[rank]]
+    return micro_batches, input_tokens, label_tokens
+
+
+def choose_masked(seed, epoch, sample_id, length, probability):  # MLM
+    """The positions BERT masks in one sample: a function of (seed, epoch, sample id) only, so the result does
+    not depend on the rank or micro-batch that happens to process the sample. Returns the generator too."""
     rng = np.random.default_rng([seed, epoch, sample_id])
+    candidates = np.arange(1, length - 1)  # never [CLS] / [SEP]
+    return rng, candidates[rng.random(len(candidates)) < probability]
+
+
+def mask_tokens(tokens, seed, epoch, sample_id, special, vocab_size, probability):  # MLM
+    rng, chosen = choose_masked(seed, epoch, sample_id, len(tokens), probability)
     inputs, labels = tokens.copy(), np.full_like(tokens, IGNORE_INDEX)
-    candidates = np.arange(1, len(tokens) - 1)  # never [CLS] / [SEP]
-    chosen = candidates[rng.random(len(candidates)) < probability]
     labels[chosen] = tokens[chosen]
     action = rng.random(len(chosen))
     inputs[chosen[action < 0.8]] = special["mask"]  # 80% [MASK]
@@ -538,7 +610,7 @@ def make_micro_batch(split_data, sample_ids, epochs, cfg, special, device):
     if split_data.task == "causal":
         blocks = torch.from_numpy(np.stack(samples))
         input_ids, labels, attention_mask = blocks[:, :-1], blocks[:, 1:], None
-    else:  # dynamic padding: pad to the longest sample of this micro-batch, not to seq_len
+    else:  # MLM, dynamic padding: pad to the longest sample of this micro-batch, not to seq_len
         longest = max(len(s) for s in samples)
         input_ids = torch.full((len(samples), longest), special["pad"], dtype=torch.long)
         labels = torch.full((len(samples), longest), IGNORE_INDEX, dtype=torch.long)
@@ -549,13 +621,11 @@ def make_micro_batch(split_data, sample_ids, epochs, cfg, special, device):
             input_ids[row, :len(tokens)] = torch.from_numpy(masked)
             labels[row, :len(tokens)] = torch.from_numpy(target)
             attention_mask[row, :len(tokens)] = 1
-        attention_mask = attention_mask.to(device, non_blocking=True)
-    return {
-        "input_ids": input_ids.to(device, non_blocking=True),
-        "labels": labels.to(device, non_blocking=True),
-        "attention_mask": attention_mask,
-        "label_tokens": int((labels != IGNORE_INDEX).sum()),
-    }
+    batch = {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
+    if device.type == "cuda":  # a copy from pageable memory makes the host wait for the GPU; from pinned it does not
+        batch = {key: value.pin_memory().to(device, non_blocking=True) if value is not None else None
+                 for key, value in batch.items()}
+    return batch
 
 
 def token_loss_sum(logits, labels):
@@ -580,14 +650,9 @@ def load_pretrained_config(path):
             "-> give a local directory holding config.json and the weights")
 
 
-def build_model(cfg, task, padded_vocab_size, special, use_cuda):
+def build_model(cfg, task, padded_vocab_size, special, device):
     """A new model from a transformers config, or a local pretrained one; fp32 master weights."""
-    attention = cfg.model.attention
-    if attention == "auto":
-        attention = "flash_attention_2" if use_cuda and flash_attn_available() else "sdpa"
-    elif attention == "flash_attention_2" and not (use_cuda and flash_attn_available()):
-        die("model.attention=flash_attention_2 needs the flash_attn package and a CUDA GPU "
-            "-> pip install flash-attn, or use model.attention=sdpa")
+    attention = choose_attention(cfg.model.attention, device)
     if cfg.model.pretrained:
         config = load_pretrained_config(cfg.model.pretrained)
     else:
@@ -628,6 +693,18 @@ def build_model(cfg, task, padded_vocab_size, special, use_cuda):
     return model, attention
 
 
+def choose_attention(requested, device):
+    # FlashAttention-2 runs on compute capability 8.0 and newer only (its README: Ampere, Ada, Hopper): on an
+    # older GPU where flash_attn imports, picking it would fail at the first forward pass
+    usable = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0) and flash_attn_available()
+    if requested == "auto":
+        return "flash_attention_2" if usable else "sdpa"
+    if requested == "flash_attention_2" and not usable:
+        die("model.attention=flash_attention_2 needs the flash_attn package and a GPU of compute capability 8.0 or "
+            "newer -> pip install flash-attn, or use model.attention=sdpa")
+    return requested
+
+
 def flash_attn_available():
     try:
         import flash_attn  # noqa: F401
@@ -646,15 +723,15 @@ def count_matmul_params(model):
     return total - sum(embedding_weights.values()) + tied_output
 
 
-# dense bf16 tensor-core peaks from NVIDIA's datasheets (without sparsity); longest name match wins
-PEAK_BF16_TFLOPS = {"H100 PCIe": 756, "H100": 989, "H200": 989, "H800": 989, "GH200": 989, "B200": 2250,
-                    "A100": 312, "A800": 312, "L40S": 362, "L4": 121, "A10": 125}
+# ----------------------------------------------------------------------------- 5. optimizer (helpers)
 
-
-def gpu_peak_flops(device):
-    name = torch.cuda.get_device_name(device)
-    matches = [key for key in PEAK_BF16_TFLOPS if key in name]
-    return PEAK_BF16_TFLOPS[max(matches, key=len)] * 1e12 if matches else None
+def lr_factor(step, cfg):
+    """Linear warmup, then cosine decay to min_lr at max_steps (a multiplier of optim.lr)."""
+    if step < cfg.optim.warmup_steps:
+        return (step + 1) / cfg.optim.warmup_steps
+    progress = min(1.0, (step - cfg.optim.warmup_steps) / max(1, cfg.train.max_steps - cfg.optim.warmup_steps))
+    min_factor = cfg.optim.min_lr / cfg.optim.lr
+    return min_factor + (1 - min_factor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 # ----------------------------------------------------------------------------- 6. checkpoint (helpers)
@@ -666,9 +743,22 @@ def is_complete(path):
     return path.is_dir() and all((path / name).is_file() for name in CHECKPOINT_FILES)
 
 
+def step_of(path):
+    """The step number of a step_* directory: compared as numbers, since as strings step_999900 sorts after
+    step_1000000, and pruning would then delete the newest checkpoints."""
+    match = re.fullmatch(r"step_(\d+)", path.name)
+    return int(match.group(1)) if match else -1
+
+
+def complete_checkpoints(ckpt_dir):
+    """The complete step_* directories of ckpt_dir, oldest first."""
+    found = [p for p in ckpt_dir.glob("step_*") if step_of(p) >= 0 and is_complete(p)] if ckpt_dir.is_dir() else []
+    return sorted(found, key=step_of)
+
+
 def find_resume_checkpoint(ckpt_dir, resume):
     """resume=auto: the newest complete checkpoint (the `latest` pointer, else a scan); never; or a path."""
-    existing = sorted(p for p in ckpt_dir.glob("step_*") if is_complete(p)) if ckpt_dir.is_dir() else []
+    existing = complete_checkpoints(ckpt_dir)
     if resume == "never":
         if existing:
             die(f"{ckpt_dir} already holds checkpoints ({existing[-1].name}) and checkpoint.resume=never would overwrite "
@@ -682,11 +772,20 @@ def find_resume_checkpoint(ckpt_dir, resume):
     if not is_complete(Path(resume)):
         die(f"checkpoint.resume={resume} is not a complete checkpoint directory (needs {', '.join(CHECKPOINT_FILES)}) "
             f"-> give a step_* directory, auto or never")
-    newer = [p.name for p in existing if p.name > Path(resume).name]
+    newer = [p.name for p in existing if step_of(p) > step_of(Path(resume))]
     if newer:  # this run's checkpoints would interleave with them, and pruning could delete this run's
         die(f"{ckpt_dir} holds checkpoints newer than {resume} ({', '.join(newer)}) -> set checkpoint.dir to "
             "another directory for this run")
     return Path(resume)
+
+
+def fsync_dir(path):
+    """A rename or a new file is durable only once its directory is synced (POSIX fsync on the directory)."""
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
 
 
 def save_checkpoint(ckpt_dir, step, keep, raw_model, optimizer, train_state):
@@ -694,39 +793,45 @@ def save_checkpoint(ckpt_dir, step, keep, raw_model, optimizer, train_state):
     resume=auto would pick. The `latest` pointer moves only after the rename; old ones go last."""
     final = ckpt_dir / f"step_{step:06d}"
     temporary = ckpt_dir / f".tmp-step_{step:06d}-{os.getpid()}"
-    temporary.mkdir(parents=True, exist_ok=True)
-    for name, obj in [("model.pt", raw_model.state_dict()), ("optimizer.pt", optimizer.state_dict()),
-                      ("train_state.pt", train_state)]:
-        with open(temporary / name, "wb") as file:
-            torch.save(obj, file)
-            file.flush()
-            os.fsync(file.fileno())  # the rename below must not reach the disk before the data
-    (temporary / "config.yaml").write_text(yaml.safe_dump(train_state["config"], sort_keys=False))
-    if final.exists():  # only an incomplete leftover can be there: resume refuses dirs with newer checkpoints
-        shutil.rmtree(final)
-    os.rename(temporary, final)
-    pointer_temporary = ckpt_dir / f".latest-{os.getpid()}"
-    pointer_temporary.write_text(final.name)
-    os.replace(pointer_temporary, ckpt_dir / "latest")
-    for old in sorted(p for p in ckpt_dir.glob("step_*") if is_complete(p))[:-keep]:
-        shutil.rmtree(old)
+    try:
+        temporary.mkdir(parents=True, exist_ok=True)
+        for name, obj in [("model.pt", raw_model.state_dict()), ("optimizer.pt", optimizer.state_dict()),
+                          ("train_state.pt", train_state)]:
+            with open(temporary / name, "wb") as file:
+                torch.save(obj, file)
+                file.flush()
+                os.fsync(file.fileno())  # the rename below must not reach the disk before the data
+        (temporary / "config.yaml").write_text(yaml.safe_dump(train_state["config"], sort_keys=False))
+        fsync_dir(temporary)
+        if final.exists():  # only an incomplete leftover can be there: resume refuses dirs with newer checkpoints
+            shutil.rmtree(final)
+        os.rename(temporary, final)
+        pointer_temporary = ckpt_dir / f".latest-{os.getpid()}"
+        pointer_temporary.write_text(final.name)
+        os.replace(pointer_temporary, ckpt_dir / "latest")
+        fsync_dir(ckpt_dir)  # the new checkpoint and pointer are on disk before any old checkpoint goes
+        for old in complete_checkpoints(ckpt_dir)[:-keep]:
+            shutil.rmtree(old)
+    except OSError as error:
+        die(f"cannot write checkpoint to {ckpt_dir} ({error}) -> free disk space or set checkpoint.dir")
 
 
-def load_checkpoint(path, raw_model, optimizer, scheduler, scaler, flat_config):
+def load_checkpoint(path, raw_model, optimizer, scheduler, scaler, cfg):
     """weights_only=True: a checkpoint is data, loading it must never run pickled code."""
     try:
         train_state = torch.load(path / "train_state.pt", weights_only=True)
-        saved_config = train_state["config"]
+        saved_config, this_config = train_state["config"], config_dict(cfg)
         for key in ["model.type", "model.task", "model.n_layer", "model.n_head", "model.n_embd", "model.pretrained"]:
-            if saved_config.get(key) != flat_config[key]:
+            if saved_config.get(key) != this_config[key]:
                 die(f"checkpoint {path} was trained with {key}={saved_config.get(key)}, this run has "
-                    f"{key}={flat_config[key]} -> pass {key}={saved_config.get(key)}, or use another checkpoint.dir")
+                    f"{key}={this_config[key]} -> pass {key}={saved_config.get(key)}, or use another checkpoint.dir")
         raw_model.load_state_dict(torch.load(path / "model.pt", weights_only=True, map_location="cpu"))
         optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True, map_location="cpu"))
         scheduler.load_state_dict(train_state["scheduler"])
         scaler.load_state_dict(train_state["scaler"])
     except (OSError, RuntimeError, KeyError, ValueError, EOFError) as error:
-        die(f"cannot load checkpoint {path} ({str(error).splitlines()[0][:200]}) -> "
+        reason = (str(error).splitlines() or [type(error).__name__])[0][:200]
+        die(f"cannot load checkpoint {path} ({reason}) -> "
             "point checkpoint.resume at another step_* directory, or use a new checkpoint.dir")
     return train_state
 
@@ -749,6 +854,59 @@ def restore_rng(saved_states, rank, seed, step):
 
 
 # ----------------------------------------------------------------------------- 7. training loop (helpers)
+
+def evaluate(model, val_data, cfg, world_size, rank, device, autocast):
+    """Mean loss per label token over the same validation batches every time, each rank computing its share.
+    Rank 0 alone would be world_size times slower, and would hang the others if the forward pass itself
+    communicates (DDP broadcasts buffers in forward when the model has any) or outlasts dist.timeout_s."""
+    model.eval()
+    loss_sum, label_tokens = torch.zeros((), device=device, dtype=torch.float64), 0
+    with torch.no_grad():
+        for batch_index in range(cfg.train.eval_batches):
+            position = (batch_index * cfg.train.global_batch_size) % len(val_data)
+            micro_batches, _, batch_label_tokens = rank_batches(val_data, position, None, cfg, world_size, rank, device)
+            label_tokens += batch_label_tokens
+            for batch in micro_batches:
+                with autocast:
+                    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+                loss_sum += token_loss_sum(logits, batch["labels"])
+    dist.all_reduce(loss_sum)
+    model.train()
+    return loss_sum.item() / max(1, label_tokens)
+
+
+def write_metrics(metrics_file, record):
+    if metrics_file:
+        metrics_file.write(json.dumps(record) + "\n")
+        metrics_file.flush()
+
+
+# Dense bf16 tensor-core peak per GPU (no sparsity), TFLOP/s, from NVIDIA's datasheets, keyed by the exact name
+# torch.cuda.get_device_name() reports. Exact names only: a substring match reads "NVIDIA L40" as an L4 and
+# an H100 NVL as an SXM part. For any other GPU set log.peak_tflops.
+PEAK_BF16_TFLOPS = {
+    "NVIDIA H200": 989,  # the SXM part; our H200 machines report this name
+    "NVIDIA H100 80GB HBM3": 989,  # SXM5
+    "NVIDIA H100 PCIe": 756,
+    "NVIDIA A100-SXM4-80GB": 312,
+    "NVIDIA A100-SXM4-40GB": 312,
+    "NVIDIA A100 80GB PCIe": 312,
+    "NVIDIA A100-PCIE-40GB": 312,
+}
+
+
+def peak_flops_per_gpu(device, peak_tflops):
+    """FLOP/s that 100% MFU stands for, or None (no MFU shown) on CPU and unknown GPUs."""
+    if device.type != "cuda":
+        return None
+    if peak_tflops:
+        return peak_tflops * 1e12
+    name = torch.cuda.get_device_name(device)
+    if name not in PEAK_BF16_TFLOPS:
+        log0(f"note: no MFU: the bf16 peak of '{name}' is not in PEAK_BF16_TFLOPS -> set log.peak_tflops")
+        return None
+    return PEAK_BF16_TFLOPS[name] * 1e12
+
 
 def format_seconds(seconds):
     minutes, seconds = divmod(int(seconds), 60)
@@ -779,4 +937,11 @@ def export_final(raw_model, data_dir, meta, final_dir, task, cfg, device):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except UserError as error:
+        if int(os.environ.get("RANK", "0")) == 0:  # every rank raised the same error; rank 0 says it once
+            print(f"error: {error}", file=sys.stderr, flush=True)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        sys.exit(2)
