@@ -892,7 +892,7 @@ def test_bench_reads_nanogpt_and_our_logs_over_the_same_window_and_writes_one_ro
     assert rows["shapeA_scaling_1to2"]["value"] == pytest.approx(1.95)
     assert rows["hf_trainer_shapeA_tokens_per_sec"]["ratio"] == pytest.approx(0.5)
     assert rows["data_wait_fraction"]["value"] is None and "not report" in rows["data_wait_fraction"]["note"]
-    assert "| shapeA_1gpu | 1 |" in bench.summary_markdown(stage_records, list(rows.values()), "python3 bench/bench.py")
+    assert "| shapeA_1gpu | 1 |" in bench.summary_markdown(stage_records, list(rows.values()))
 
 
 def test_bench_flops_per_token_counts_what_the_trainer_counts():

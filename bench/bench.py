@@ -2,7 +2,7 @@
 
     python3 bench/bench.py                                    # every stage (a GPU machine; *_2gpu needs 2 GPUs)
     python3 bench/bench.py --stages shapeA_1gpu,hf_trainer    # some stages: split the work over several calls
-    python3 bench/bench.py --tiny                             # CPU: tiny shapes, no compile, plumbing only
+    python3 bench/bench.py --tiny                             # CPU plumbing check: tiny shapes, fp32
     python3 bench/bench.py --record DIR [DIR ...]             # append earlier runs' results to bench/RESULTS.md
 
 Each stage runs its sides one after the other, each in its own process with its own timeout; a side that
@@ -76,10 +76,10 @@ STAGES = {
 }
 TINY_STEPS = {"steps": 12, "skip_steps": 4, "log_every": 2, "timeout_s": 240}
 
-# The trainer's config keys this script sets (config.yaml); change them here if the trainer renames one.
 DATA_WAIT_KEY = "data_wait_fraction"  # a metrics.jsonl "train" key; the trainer does not write it yet
 
 
+# The trainer's config keys this script sets (config.yaml); change them here if the trainer renames one.
 def our_overrides(shape, batch, steps, log_every, run_dir, tiny):
     return [
         f"model.n_layer={shape['n_layer']}", f"model.n_head={shape['n_head']}", f"model.n_embd={shape['n_embd']}",
@@ -87,8 +87,9 @@ def our_overrides(shape, batch, steps, log_every, run_dir, tiny):
         f"data.vocab_size={batch['vocab_size']}",
         f"train.seq_len={batch['seq_len']}", f"train.micro_batch_size={batch['micro_batch_size']}",
         f"train.global_batch_size={batch['global_batch_size']}", f"train.max_steps={steps}",
-        f"train.eval_every={steps}", "train.eval_batches=1",  # validation at steps 0 and `steps` only, outside the window
-        f"checkpoint.every={steps}",  # the one checkpoint the trainer always writes at the end, outside the window
+        # validation at steps 0 and `steps` only, outside the window (the trainer's clock excludes it too)
+        f"train.eval_every={steps}", "train.eval_batches=1",
+        f"checkpoint.every={steps}",  # only the checkpoint the trainer always writes at the end
         f"log.every={log_every}", "log.sample_prompt=",  # no text sample after the export
         f"out_dir={run_dir}", f"checkpoint.dir={run_dir}/ckpt",
         "train.compile=false" if tiny else "train.compile=true",
@@ -180,7 +181,7 @@ def random_token_data(batch, tiny):
     rng = np.random.default_rng(1337)
     for name, count in [("train.bin", train_tokens), ("val.bin", 2**16)]:
         rng.integers(0, batch["vocab_size"], count, dtype=np.uint16).tofile(data_dir / name)
-    with open(data_dir / "meta.pkl", "wb") as file:
+    with open(data_dir / "meta.pkl", "wb") as file:  # last: once it exists, the .bin files are whole
         pickle.dump({"vocab_size": batch["vocab_size"]}, file)
     return data_dir
 
@@ -277,12 +278,11 @@ def read_our_metrics(records, skip_steps):
     record covers the steps since the previous one; its time is its tokens over its tokens_per_sec."""
     train = [r for r in records if r.get("kind") == "train"]
     tokens = seconds = mfu_seconds = wait_seconds = 0.0
-    previous_tokens = None
+    previous_tokens = 0  # a fresh run: run_ours empties the run directory, so nothing is resumed
     window_steps, has_wait = [], True
     for r in train:
-        interval_tokens = r["tokens_seen"] - previous_tokens if previous_tokens is not None else None
-        previous_tokens = r["tokens_seen"]
-        if r["step"] <= skip_steps or interval_tokens is None:
+        interval_tokens, previous_tokens = r["tokens_seen"] - previous_tokens, r["tokens_seen"]
+        if r["step"] <= skip_steps:
             continue
         interval_s = interval_tokens / r["tokens_per_sec"]
         tokens += interval_tokens
@@ -406,7 +406,8 @@ def hf_trainer_worker(stage_name, tiny):
 
     config = GPT2Config(vocab_size=batch["vocab_size"], n_positions=seq_len, n_embd=shape["n_embd"],
                         n_layer=shape["n_layer"], n_head=shape["n_head"], resid_pdrop=0.0, embd_pdrop=0.0,
-                        attn_pdrop=0.0, use_cache=False, bos_token_id=0, eos_token_id=0)  # GPT-2's 50256 is outside 8192
+                        attn_pdrop=0.0, use_cache=False,
+                        bos_token_id=0, eos_token_id=0)  # GPT-2's default 50256 is outside the vocabulary
     torch.manual_seed(1337)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     on_gpu = torch.cuda.is_available() and not tiny
@@ -462,11 +463,16 @@ def ratio(value, baseline_value):
     return value / baseline_value if value and baseline_value else None
 
 
-def figures(stage_records):
-    """One results.jsonl row per figure; ratio is always value / baseline_value."""
+def sides_by_stage(stage_records):
     by_stage = {}
     for r in stage_records:
         by_stage.setdefault(r["stage"], {})[r["side"]] = r
+    return by_stage
+
+
+def figures(stage_records):
+    """One results.jsonl row per figure; ratio is always value / baseline_value."""
+    by_stage = sides_by_stage(stage_records)
     rows = []
 
     def row(metric, value, unit, baseline, baseline_value, command, baseline_command=None, source=None, note=None):
@@ -499,7 +505,8 @@ def figures(stage_records):
             ours_scaling = ratio(two["ours"].get("tokens_per_sec"), one["ours"].get("tokens_per_sec"))
             their_scaling = ratio((two.get("nanogpt") or {}).get("tokens_per_sec"),
                                   (one.get("nanogpt") or {}).get("tokens_per_sec"))
-            note = None if one["ours"].get("machine") == two["ours"].get("machine") else "1 and 2 GPUs ran on different machines"
+            same_machine = one["ours"].get("machine") == two["ours"].get("machine")
+            note = None if same_machine else "1 and 2 GPUs ran on different machines"
             row(f"shape{shape}_scaling_1to2", ours_scaling, "x (2-GPU tokens/s / 1-GPU tokens/s)",
                 "nanoGPT's own 1 -> 2 GPU scaling", their_scaling,
                 f"{one['ours'].get('command')} ; {two['ours'].get('command')}", None, two["ours"], note)
@@ -528,57 +535,59 @@ def percent(value):
     return "—" if value is None else f"{100 * value:.1f}%"
 
 
-def summary_markdown(stage_records, rows, invocation):
+def summary_markdown(stage_records, rows):
     first = stage_records[0]
     machines = sorted({r["machine"] for r in stage_records})
+    invocations = "`; `".join(dict.fromkeys(r.get("invocation") or "python3 bench/bench.py"
+                                            for r in stage_records))
     lines = [
         f"## {first['date']} — {' / '.join(machines)}; torch {first.get('torch')}, CUDA {first.get('cuda')}, "
         f"NCCL {first.get('nccl')}, transformers {first.get('transformers')}, Python {first.get('python')}"
         + (" (--tiny: CPU plumbing check, not a measurement)" if first.get("tiny") else ""),
         "",
-        f"`{invocation}` at commit {first.get('repo_commit')}; nanoGPT karpathy/nanoGPT@{first.get('nanogpt_commit')} "
-        f"(NCCL_NVLS_ENABLE={first.get('nccl_nvls_enable')}). Every side: the same steps, tokens/s = the tokens of "
-        "the steps after the warm-up window / their wall time (ours: its metrics.jsonl intervals; nanoGPT: "
+        f"`{invocations}` at commit {first.get('repo_commit')}; "
+        f"nanoGPT karpathy/nanoGPT@{first.get('nanogpt_commit')} (NCCL_NVLS_ENABLE={first.get('nccl_nvls_enable')}). "
+        "Every side: the same steps, tokens/s = the tokens of the steps after the warm-up window / their wall time (ours: its metrics.jsonl intervals; nanoGPT: "
         "its per-iteration `time ...ms`; HF Trainer: a CUDA-synchronized clock at two step ends). "
         "MFU = (6 x matmul parameters + 12 x layers x width x seq_len) x tokens/s / (peak x GPUs), train_ddp.py's "
         "formula; nanoGPT's by the same formula from its tokens/s. ratio = ours / baseline. Data: ours reads "
         "data/stdlib (launch.sh prepares it), nanoGPT and the HF Trainer read uniform random tokens of the same "
         "vocabulary (out/bench/random_tokens); a causal step of fixed length does the same work on either.",
     ]
-    by_stage = {}
-    for r in stage_records:
-        by_stage.setdefault(r["stage"], {})[r["side"]] = r
+    by_stage = sides_by_stage(stage_records)
     if any("ours" in sides for sides in by_stage.values()):
-        lines += ["", "| stage | GPUs | window | ours tokens/s | nanoGPT tokens/s | ratio | ours MFU (reported / formula) "
-                  "| nanoGPT MFU (formula) | ours peak mem GiB | status ours / nanoGPT |",
+        lines += ["", "| stage | GPUs | window | ours tokens/s | nanoGPT tokens/s | ratio "
+                  "| ours MFU (reported / formula) | nanoGPT MFU (formula) | ours peak mem GiB | status ours / nanoGPT |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
     for name, sides in by_stage.items():
         if "ours" in sides:
             ours, theirs = sides["ours"], sides.get("nanogpt", {})
+            ours_tps, their_tps = ours.get("tokens_per_sec"), theirs.get("tokens_per_sec")
             lines.append(
-                f"| {name} | {ours.get('gpus')} | {ours.get('window', '—')} | {number(ours.get('tokens_per_sec'))} "
-                f"| {number(theirs.get('tokens_per_sec'))} | {number(ratio(ours.get('tokens_per_sec'), theirs.get('tokens_per_sec')), 2)} "
+                f"| {name} | {ours.get('gpus')} | {ours.get('window', '—')} | {number(ours_tps)} | {number(their_tps)} "
+                f"| {number(ratio(ours_tps, their_tps), 2)} "
                 f"| {percent(ours.get('mfu'))} / {percent(ours.get('mfu_by_our_formula'))} "
                 f"| {percent(theirs.get('mfu_by_our_formula'))} | {number(ours.get('peak_mem_gib'), 1)} "
                 f"| {ours.get('status')} / {theirs.get('status', '—')} |")
-    hf_rows = [(name, sides[name]) for name, sides in by_stage.items() if name in sides and name.startswith("hf_")]
-    if hf_rows:
-        ours_a = by_stage.get("shapeA_1gpu", {}).get("ours", {})
+    hf_sides = [sides[name] for name, sides in by_stage.items() if name.startswith("hf_") and name in sides]
+    if hf_sides:
+        ours_tps = by_stage.get("shapeA_1gpu", {}).get("ours", {}).get("tokens_per_sec")
         lines += ["", "| HF Trainer, shape A, 1 GPU | window | tokens/s | vs ours (shapeA_1gpu) | status |",
                   "|---|---|---|---|---|"]
-        for name, hf in hf_rows:
-            lines.append(f"| {name} | {hf.get('window', '—')} | {number(hf.get('tokens_per_sec'))} "
-                         f"| {number(ratio(hf.get('tokens_per_sec'), ours_a.get('tokens_per_sec')), 2)} | {hf.get('status')} |")
+        for hf in hf_sides:
+            lines.append(f"| {hf['side']} | {hf.get('window', '—')} | {number(hf.get('tokens_per_sec'))} "
+                         f"| {number(ratio(hf.get('tokens_per_sec'), ours_tps), 2)} | {hf.get('status')} |")
     lines += ["", "Commands (from the repository root; each side's seconds include start-up, compile, "
               "the unavoidable evaluations, ours' final checkpoint and export):", ""]
     for r in stage_records:
         if r.get("command"):
             lines.append(f"- {r['stage']} / {r['side']} ({r.get('seconds')} s): `{r['command']}`")
     notes = [f"- {r['stage']} / {r['side']}: {r['note']}" for r in stage_records if r.get("note")]
-    notes += [f"- {row['metric']}: {row['note']}" for row in rows if row.get("note") and row["metric"] == "data_wait_fraction"]
-    odd_vocab = [r for r in stage_records if r["side"] == "ours" and r.get("vocab") not in (None, BATCH["vocab_size"])]
+    notes += [f"- {row['metric']}: {row['note']}" for row in rows
+              if row["metric"] == "data_wait_fraction" and row["note"]]
     notes += [f"- {r['stage']} / ours: data/stdlib's vocabulary is {r['vocab']}, not {BATCH['vocab_size']}"
-              for r in odd_vocab if not r.get("tiny")]
+              for r in stage_records
+              if r["side"] == "ours" and not r.get("tiny") and r.get("vocab") not in (None, BATCH["vocab_size"])]
     if notes:
         lines += ["", "Notes:", "", *notes]
     return "\n".join(lines) + "\n"
@@ -597,9 +606,9 @@ def record_in_repo(summary, rows):
     print(f"appended to {results_md} and {REPO / 'bench' / 'results.jsonl'}")
 
 
-def write_outputs(stage_records, invocation, record):
+def write_outputs(stage_records, record):
     rows = figures(stage_records)
-    summary = summary_markdown(stage_records, rows, invocation)
+    summary = summary_markdown(stage_records, rows)
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "summary.md").write_text(summary)
     with open(OUT / "results.jsonl", "w") as file:
@@ -631,13 +640,14 @@ def run_stage(stage_name, tiny, machine, timeout_s, port, log, keep):
     base = {"stage": stage_name, "date": machine["date"], "tiny": tiny, "gpus": stage.get("gpus"),
             "shape": shape, "steps": stage.get("steps"), "skip_steps": stage.get("skip_steps"),
             **{key: machine.get(key) for key in ["machine", "torch", "cuda", "nccl", "transformers", "python",
-                                                  "nanogpt_commit", "repo_commit", "nccl_nvls_enable"]}}
+                                                  "nanogpt_commit", "repo_commit", "nccl_nvls_enable", "invocation"]}}
     if "placeholder" in stage:
         log(f"=== {stage_name}: not yet ({stage['placeholder']})")
         return [keep({**base, "side": "placeholder", "status": "not yet", "note": stage["placeholder"]})]
     if not tiny and machine["gpus"] < stage["gpus"]:
         log(f"=== {stage_name}: skipped, needs {stage['gpus']} GPUs, {machine['gpus']} visible")
-        return [keep({**base, "side": side, "status": f"skipped: {machine['gpus']} GPUs visible"}) for side in stage["sides"]]
+        return [keep({**base, "side": side, "status": f"skipped: {machine['gpus']} GPUs visible"})
+                for side in stage["sides"]]
     records = []
     for index, side in enumerate(stage["sides"]):
         log(f"=== {stage_name} / {side}: {stage['steps']} steps, window after step {stage['skip_steps']}, "
@@ -657,7 +667,8 @@ def run_stage(stage_name, tiny, machine, timeout_s, port, log, keep):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stages", default="all", help=f"comma-separated, or all: {','.join(STAGES)}")
-    parser.add_argument("--tiny", action="store_true", help="CPU plumbing check: tiny shapes, fp32, no compile")
+    parser.add_argument("--tiny", action="store_true",
+                        help="CPU plumbing check: tiny shapes, fp32; only the HF Trainer's compiled side compiles")
     parser.add_argument("--timeout-s", type=int, default=0, help="per-side timeout for every stage (default: STAGES)")
     parser.add_argument("--no-record", action="store_true", help="write $OUT only, not bench/RESULTS.md")
     parser.add_argument("--record", nargs="+", metavar="DIR", help="append DIR/stages.jsonl (earlier runs) to bench/")
@@ -673,7 +684,7 @@ def main():
         if any(r.get("tiny") for r in stage_records):
             sys.exit("error: --tiny results are plumbing checks, not measurements -> record only GPU runs")
         rows = figures(stage_records)
-        record_in_repo(summary_markdown(stage_records, rows, "python3 bench/bench.py (several calls)"), rows)
+        record_in_repo(summary_markdown(stage_records, rows), rows)
         return
 
     stage_names = list(STAGES) if args.stages == "all" else [s.strip() for s in args.stages.split(",") if s.strip()]
@@ -688,10 +699,10 @@ def main():
     for name in ["bench.log", "stages.jsonl"]:  # this run's alone: --record reads stages.jsonl whole
         (OUT / name).unlink(missing_ok=True)
     log = Log(OUT / "bench.log")
-    invocation = "python3 bench/bench.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     machine = probe_machine()
     machine["date"] = datetime.now(timezone.utc).strftime("%Y-%m-%d")
-    log(f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC} {invocation}")
+    machine["invocation"] = " ".join(["python3 bench/bench.py", *map(shlex.quote, sys.argv[1:])])
+    log(f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC} {machine['invocation']}")
     log(json.dumps(machine))
     if args.tiny:
         machine["peak_flops"] = None  # no GPU: no MFU
@@ -712,7 +723,7 @@ def main():
             keep({"stage": stage_name, "side": "stage", "status": f"error: {type(error).__name__}: {error}",
                   "date": machine["date"], "machine": machine["machine"], "tiny": args.tiny})
         log(f"=== {stage_name}: {time.perf_counter() - started:.0f} s")
-    write_outputs(stage_records, invocation, record=not (args.tiny or args.no_record))
+    write_outputs(stage_records, record=not (args.tiny or args.no_record))
 
 
 if __name__ == "__main__":
