@@ -46,7 +46,7 @@ SHAPES = {
     "B": {"n_layer": 36, "n_head": 20, "n_embd": 1280},
 }
 BATCH = {"vocab_size": 8192, "seq_len": 1024, "micro_batch_size": 16, "global_batch_size": 64}
-# --tiny: the same plumbing on a CPU in about a minute per stage
+# --tiny: the same plumbing on a CPU (10-100 s per stage on the 2-core machine here, shared with other work)
 TINY_SHAPES = {
     "A": {"n_layer": 2, "n_head": 4, "n_embd": 64},
     "B": {"n_layer": 3, "n_head": 4, "n_embd": 96},
