@@ -4,6 +4,7 @@
 """
 
 import hashlib
+import importlib.util
 import json
 import os
 import random
@@ -996,3 +997,62 @@ def test_bad_options_end_every_rank_with_one_error_line(options, message):
     assert len(errors) == 1 and message in errors[0], output
     assert 'stress_test.py", line' not in output  # no traceback of ours (torchrun prints its own summary)
 
+
+
+# ----------------------------------------------------------------------------- bench/bench.py
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("bench", REPO / "bench" / "bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def test_bench_reads_nanogpt_and_our_logs_over_the_same_window_and_writes_one_row_per_figure():
+    bench = load_bench()
+    # nanoGPT: iterations 0..5 are steps 1..6; skip 2 steps -> iterations 2..5, 4 x 1000 tokens in 4 x 0.5 s
+    nanogpt_output = "step 0: train loss 9.0, val loss 9.0\n" + "".join(
+        f"iter {i}: loss 9.0{i}, time {30000.0 if i < 2 else 500.0:.2f}ms, mfu -100.00%\n" for i in range(6))
+    theirs = bench.read_nanogpt_log(nanogpt_output, tokens_per_step=1000, skip_steps=2)
+    assert theirs["tokens_per_sec"] == pytest.approx(2000.0) and theirs["window"] == "steps 3-6"
+    # ours: intervals of 2 steps; skip 2 -> steps 3-4 (2000 tokens at 1000/s) and 5-6 (2000 at 4000/s)
+    records = [{"kind": "start", "step": 0}, {"kind": "val", "step": 0, "val_loss": 9.0}]
+    for step, tokens_per_sec in [(2, 10.0), (4, 1000.0), (6, 4000.0)]:
+        records.append({"kind": "train", "step": step, "tokens_seen": 1000 * step, "tokens_per_sec": tokens_per_sec,
+                        "mfu": tokens_per_sec / 1e4, "mem_peak_gib": step / 2})
+    ours = bench.read_our_metrics(records, skip_steps=2)
+    assert ours["tokens_per_sec"] == pytest.approx(4000 / 2.5)  # the window's tokens over its time, not a mean of rates
+    assert ours["mfu"] == pytest.approx(0.16) and ours["peak_mem_gib"] == 3.0 and ours["window"] == "steps 3-6"
+    assert ours["data_wait_fraction"] is None  # the trainer does not write it yet
+
+    common = {"date": "2026-12-01", "machine": "2 × GPU", "nanogpt_commit": "3adf61e1", "tiny": False}
+    stage_records = [
+        {**common, "stage": "shapeA_1gpu", "side": "ours", "gpus": 1, "command": "ours1", "tokens_per_sec": 400.0},
+        {**common, "stage": "shapeA_1gpu", "side": "nanogpt", "gpus": 1, "command": "theirs1", "tokens_per_sec": 500.0},
+        {**common, "stage": "shapeA_2gpu", "side": "ours", "gpus": 2, "command": "ours2", "tokens_per_sec": 780.0},
+        {**common, "stage": "shapeA_2gpu", "side": "nanogpt", "gpus": 2, "status": "timeout after 240s"},
+        {**common, "stage": "hf_trainer", "side": "hf_trainer", "gpus": 1, "command": "hf", "tokens_per_sec": 200.0},
+    ]
+    rows = {row["metric"]: row for row in bench.figures(stage_records)}
+    assert set(rows) == {"shapeA_1gpu_tokens_per_sec", "shapeA_2gpu_tokens_per_sec", "shapeA_scaling_1to2",
+                         "data_wait_fraction", "hf_trainer_shapeA_tokens_per_sec"}
+    keys = {"date", "machine", "metric", "value", "unit", "baseline", "baseline_value", "ratio", "command"}
+    assert all(keys <= set(row) for row in rows.values())
+    one_gpu = rows["shapeA_1gpu_tokens_per_sec"]
+    assert (one_gpu["value"], one_gpu["baseline_value"], one_gpu["ratio"]) == (400.0, 500.0, 0.8)
+    assert one_gpu["command"] == "ours1" and one_gpu["baseline_command"] == "theirs1" and "3adf61e" in one_gpu["baseline"]
+    assert rows["shapeA_2gpu_tokens_per_sec"]["ratio"] is None  # a failed baseline gives no ratio, not an error
+    assert rows["shapeA_scaling_1to2"]["value"] == pytest.approx(1.95)
+    assert rows["hf_trainer_shapeA_tokens_per_sec"]["ratio"] == pytest.approx(0.5)
+    assert rows["data_wait_fraction"]["value"] is None and "not report" in rows["data_wait_fraction"]["note"]
+    assert "| shapeA_1gpu | 1 |" in bench.summary_markdown(stage_records, list(rows.values()))
+
+
+def test_bench_flops_per_token_counts_what_the_trainer_counts():
+    """The nanoGPT MFU in the bench uses the trainer's formula: same matmul parameters as count_matmul_params."""
+    from transformers import AutoModelForCausalLM, GPT2Config
+    bench = load_bench()
+    shape, batch = {"n_layer": 2, "n_head": 2, "n_embd": 32}, {"vocab_size": 128, "seq_len": 16}
+    model = AutoModelForCausalLM.from_config(GPT2Config(vocab_size=128, n_positions=16, n_embd=32, n_layer=2, n_head=2))
+    expected = 6 * train_ddp.count_matmul_params(model) + 12 * 2 * 32 * 16
+    assert bench.flops_per_token(shape, batch) == expected

@@ -1,0 +1,730 @@
+"""Issue 8's benchmark: our trainer against nanoGPT and the HF Trainer, the same work in the same call.
+
+    python3 bench/bench.py                                    # every stage (a GPU machine; *_2gpu needs 2 GPUs)
+    python3 bench/bench.py --stages shapeA_1gpu,hf_trainer    # some stages: split the work over several calls
+    python3 bench/bench.py --tiny                             # CPU plumbing check: tiny shapes, fp32
+    python3 bench/bench.py --record DIR [DIR ...]             # append earlier runs' results to bench/RESULTS.md
+
+Each stage runs its sides one after the other, each in its own process with its own timeout; a side that
+fails or times out is recorded as such and the next side and stage still run. Written to $OUT (else
+bench/out): bench.log (every side's whole output), stages.jsonl (one line of raw measurements per side),
+summary.md (the dated section for bench/RESULTS.md) and results.jsonl (one line per figure). A GPU run also
+appends summary.md to bench/RESULTS.md and results.jsonl to bench/results.jsonl (not with --tiny or --no-record).
+
+nanoGPT is not part of this repository: its checkout is read from $NANOGPT_DIR (default .baselines/nanoGPT,
+ignored by git): git clone https://github.com/karpathy/nanoGPT .baselines/nanoGPT
+
+Read STAGES first (what runs), then run_ours, run_nanogpt and hf_trainer_worker (how each side is
+launched and read), then figures (what is compared, and how).
+"""
+
+import argparse
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+NANOGPT_DIR = Path(os.environ.get("NANOGPT_DIR", REPO / ".baselines" / "nanoGPT")).resolve()
+OUT = Path(os.environ.get("OUT") or REPO / "bench" / "out")
+WORK_DIR = REPO / "out" / "bench"  # run directories and the random-token data; large, so not under $OUT
+
+# ----------------------------------------------------------------------------- 1. settings
+
+# Shapes of issue 8. Both sides build the GPT-2 layout (learned positions, biases, tied output layer).
+SHAPES = {
+    "A": {"n_layer": 12, "n_head": 12, "n_embd": 768},
+    "B": {"n_layer": 36, "n_head": 20, "n_embd": 1280},
+}
+BATCH = {"vocab_size": 8192, "seq_len": 1024, "micro_batch_size": 16, "global_batch_size": 64}
+# --tiny: the same plumbing on a CPU (10-100 s per stage on the 2-core machine here, shared with other work)
+TINY_SHAPES = {
+    "A": {"n_layer": 2, "n_head": 4, "n_embd": 64},
+    "B": {"n_layer": 3, "n_head": 4, "n_embd": 96},
+}
+TINY_BATCH = {"vocab_size": 8192, "seq_len": 64, "micro_batch_size": 4, "global_batch_size": 16}
+
+# steps: optimizer steps each side runs; skip_steps: the first steps left out of the figures (compile,
+# allocator warm-up). The window (skip_steps, steps] is the same for every side of a stage. Sized for
+# about 20-30 s of steady state on H200s at issue 8's speeds (an estimate: shape A ~500k tokens/s on
+# one GPU, B ~90k; 65,536 tokens per step). timeout_s holds for each side on its own; the two sides of a
+# stage together stay under the GPU machine's 10 minutes per call.
+STAGES = {
+    "shapeA_1gpu": {"sides": ["ours", "nanogpt"], "shape": "A", "gpus": 1, "steps": 200, "skip_steps": 20,
+                    "log_every": 10, "timeout_s": 240},
+    "shapeB_1gpu": {"sides": ["ours", "nanogpt"], "shape": "B", "gpus": 1, "steps": 40, "skip_steps": 10,
+                    "log_every": 5, "timeout_s": 280},
+    "shapeA_2gpu": {"sides": ["ours", "nanogpt"], "shape": "A", "gpus": 2, "steps": 400, "skip_steps": 40,
+                    "log_every": 10, "timeout_s": 240},
+    "shapeB_2gpu": {"sides": ["ours", "nanogpt"], "shape": "B", "gpus": 2, "steps": 70, "skip_steps": 10,
+                    "log_every": 5, "timeout_s": 280},
+    "hf_trainer": {"sides": ["hf_trainer"], "shape": "A", "gpus": 1, "steps": 200, "skip_steps": 20,
+                   "log_every": 10, "timeout_s": 240},
+    "hf_trainer_compiled": {"sides": ["hf_trainer_compiled"], "shape": "A", "gpus": 1, "steps": 200,
+                            "skip_steps": 20, "log_every": 10, "timeout_s": 270},
+    "fsdp": {"sides": [], "placeholder": "train_fsdp.py does not exist yet; the lead adds this stage"},
+    "bert": {"sides": [], "placeholder": "the masked-LM measurements of issue 8 are not written yet"},
+}
+TINY_STEPS = {"steps": 12, "skip_steps": 4, "log_every": 2, "timeout_s": 240}
+
+DATA_WAIT_KEY = "data_wait_fraction"  # a metrics.jsonl "train" key; the trainer does not write it yet
+
+
+# The trainer's config keys this script sets (config.yaml); change them here if the trainer renames one.
+def our_overrides(shape, batch, steps, log_every, run_dir, tiny):
+    return [
+        f"model.n_layer={shape['n_layer']}", f"model.n_head={shape['n_head']}", f"model.n_embd={shape['n_embd']}",
+        # not read by the trainer (the model's vocabulary is data/stdlib's meta.json); run_ours checks the logged one
+        f"data.vocab_size={batch['vocab_size']}",
+        f"train.seq_len={batch['seq_len']}", f"train.micro_batch_size={batch['micro_batch_size']}",
+        f"train.global_batch_size={batch['global_batch_size']}", f"train.max_steps={steps}",
+        # validation at steps 0 and `steps` only, outside the window (the trainer's clock excludes it too)
+        f"train.eval_every={steps}", "train.eval_batches=1",
+        f"checkpoint.every={steps}",  # only the checkpoint the trainer always writes at the end
+        f"log.every={log_every}", "log.sample_prompt=",  # no text sample after the export
+        f"out_dir={run_dir}", f"checkpoint.dir={run_dir}/ckpt",
+        "train.compile=false" if tiny else "train.compile=true",
+        "train.precision=fp32" if tiny else "train.precision=bf16",
+    ]
+
+
+def nanogpt_flags(shape, batch, steps, run_dir, data_dir, tiny):
+    """nanoGPT's train.py reads --key=value for its module-level settings (configurator.py)."""
+    return [
+        f"--n_layer={shape['n_layer']}", f"--n_head={shape['n_head']}", f"--n_embd={shape['n_embd']}",
+        f"--block_size={batch['seq_len']}", "--bias=True", "--dropout=0.0",
+        f"--batch_size={batch['micro_batch_size']}",
+        # the global count: train.py divides it by the world size itself, so 2 GPUs do 2 micro-batches each
+        f"--gradient_accumulation_steps={batch['global_batch_size'] // batch['micro_batch_size']}",
+        f"--max_iters={steps - 1}",  # it runs iterations 0..max_iters: `steps` optimizer steps, like ours
+        # it evaluates whenever iter % eval_interval == 0, so at iteration 0 only (unavoidable), and briefly
+        f"--eval_interval={steps}", "--eval_iters=1", "--always_save_checkpoint=False",
+        "--log_interval=1",  # its default: a time per iteration, so the window can start at any step
+        f"--dataset={data_dir}",  # absolute: os.path.join('data', dataset) then returns it unchanged
+        f"--out_dir={run_dir}",
+        "--compile=False" if tiny else "--compile=True",
+        "--dtype=float32" if tiny else "--dtype=bfloat16",
+        *(["--device=cpu"] if tiny else []),
+    ]
+
+
+# ----------------------------------------------------------------------------- 2. machine
+
+def probe_machine():
+    """Machine, versions, and the peak FLOP/s train_ddp.py divides by (from a child process, so that
+    this one never holds a CUDA context while the sides run)."""
+    cores = os.cpu_count()
+    probe = (
+        "import json, platform, sys, torch, transformers\n"
+        "info = {'python': platform.python_version(), 'torch': torch.__version__, 'cuda': torch.version.cuda,\n"
+        "        'transformers': transformers.__version__, 'nccl': None, 'peak_flops': None, 'gpu_names': []}\n"
+        "if torch.cuda.is_available():\n"
+        "    import train_ddp\n"
+        "    info['nccl'] = '.'.join(map(str, torch.cuda.nccl.version()))\n"
+        "    info['gpu_names'] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]\n"
+        "    info['peak_flops'] = train_ddp.gpu_peak_flops(torch.device('cuda', 0))\n"
+        "print(json.dumps(info))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
+    try:
+        info = json.loads(result.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        info = {"error": (result.stderr or result.stdout)[-500:], "gpu_names": [], "peak_flops": None}
+    names = info["gpu_names"]
+    info["gpus"] = len(names)
+    info["machine"] = f"{len(names)} × {names[0]}, {cores} cores" if names else f"CPU only, {cores} cores"
+    info["nanogpt_commit"] = nanogpt_commit()
+    info["repo_commit"] = git_output(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"]) or "unknown"
+    if info["repo_commit"] != "unknown" and git_output(["git", "-C", str(REPO), "status", "--porcelain", "--", "."]):
+        info["repo_commit"] += " + uncommitted changes"
+    info["nccl_nvls_enable"] = os.environ.get("NCCL_NVLS_ENABLE")
+    return info
+
+
+def git_output(command):
+    try:
+        return subprocess.run(command, capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+
+
+def nanogpt_commit():
+    """A clone knows its commit; an exported snapshot (git archive) carries it in a COMMIT file we write."""
+    commit_file = NANOGPT_DIR / "COMMIT"
+    if commit_file.is_file():
+        return commit_file.read_text().strip()
+    return git_output(["git", "-C", str(NANOGPT_DIR), "rev-parse", "HEAD"]) or "unknown"
+
+
+# ----------------------------------------------------------------------------- 3. data
+
+def random_token_data(batch, tiny):
+    """train.bin/val.bin of uniform random uint16 tokens below vocab_size, and meta.pkl holding
+    vocab_size (nanoGPT sizes its embedding from it). Token values do not change the work of a
+    fixed-length causal step, so random tokens time the same as text."""
+    import pickle  # only here: nanoGPT's format
+
+    data_dir = WORK_DIR / ("random_tokens_tiny" if tiny else "random_tokens")
+    train_tokens = 2**20 if tiny else 2**24  # 16M: 200 HF Trainer steps of 65,536 tokens stay in one epoch
+    if (data_dir / "meta.pkl").is_file():
+        return data_dir
+    data_dir.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(1337)
+    for name, count in [("train.bin", train_tokens), ("val.bin", 2**16)]:
+        rng.integers(0, batch["vocab_size"], count, dtype=np.uint16).tofile(data_dir / name)
+    with open(data_dir / "meta.pkl", "wb") as file:  # last: once it exists, the .bin files are whole
+        pickle.dump({"vocab_size": batch["vocab_size"]}, file)
+    return data_dir
+
+
+# ----------------------------------------------------------------------------- 4. running one side
+
+class Log:
+    """Everything printed goes to the console and to $OUT/bench.log."""
+
+    def __init__(self, path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = open(path, "a")
+        self.lock = threading.Lock()
+
+    def __call__(self, text):
+        with self.lock:
+            print(text, flush=True)
+            self.file.write(text + "\n")
+            self.file.flush()
+
+
+def run_process(command, cwd, env_extra, timeout_s, log):
+    """Run one side in its own process group and copy its output into the log as it comes.
+    Returns (status, output, seconds); status is 'ok', 'failed (exit N)' or 'timeout after Ns'."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **env_extra}
+    start = time.perf_counter()
+    process = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, errors="replace", start_new_session=True)
+    lines = []
+
+    def copy_output():
+        for line in process.stdout:
+            lines.append(line)
+            log(line.rstrip("\n"))
+
+    reader = threading.Thread(target=copy_output, daemon=True)
+    reader.start()
+    try:
+        returncode = process.wait(timeout=timeout_s)
+        status = "ok" if returncode == 0 else f"failed (exit {returncode})"
+    except subprocess.TimeoutExpired:
+        # the whole group: torchrun's workers would otherwise keep their GPUs busy for the next side
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        status = f"timeout after {timeout_s}s"
+    reader.join(timeout=10)
+    return status, "".join(lines), time.perf_counter() - start
+
+
+def shell_text(command, env_extra, cwd):
+    """The command as one could paste it into a shell at the repository root."""
+    prefix = f"cd {os.path.relpath(cwd, REPO)} && " if Path(cwd) != REPO else ""
+    assignments = [f"{key}={shlex.quote(value)}" for key, value in env_extra.items()]
+    return prefix + " ".join(assignments + [shlex.quote(part) for part in command])
+
+
+def device_env(gpus, tiny):
+    if tiny:
+        return {"CUDA_VISIBLE_DEVICES": ""}
+    return {"CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in range(gpus))}
+
+
+# ----------------------------------------------------------------------------- 5. the sides
+
+def run_ours(stage_name, stage, shape, batch, tiny, port, log):
+    run_dir = WORK_DIR / stage_name / "ours"
+    remove_tree(run_dir)  # a checkpoint left there would be resumed (checkpoint.resume=auto) and train no step
+    env_extra = {**device_env(stage["gpus"], tiny), "NPROC_PER_NODE": str(stage["gpus"]), "MASTER_PORT": str(port)}
+    if tiny:
+        env_extra["LAUNCH_DEVICE"] = "cpu"
+    overrides = our_overrides(shape, batch, stage["steps"], stage["log_every"], run_dir.relative_to(REPO), tiny)
+    command = ["bash", "launch.sh", "train_ddp.py", *overrides]
+    status, output, seconds = run_process(command, REPO, env_extra, stage["timeout_s"], log)
+    record = {"command": shell_text(command, env_extra, REPO), "status": status, "seconds": round(seconds, 1)}
+    vocab = re.search(r"vocab (\d+) padded to (\d+)", output)
+    attention = re.search(r"attention (\S+),", output)
+    record["vocab"] = int(vocab.group(1)) if vocab else None
+    record["attention"] = attention.group(1) if attention else None
+    metrics_path = run_dir / "metrics.jsonl"
+    if metrics_path.is_file():
+        records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+        record.update(read_our_metrics(records, stage["skip_steps"]))
+    for name in ["ckpt", "final"]:  # shape B's checkpoint is ~9 GB; the next stage needs the disk
+        remove_tree(run_dir / name)
+    return record
+
+
+def read_our_metrics(records, skip_steps):
+    """tokens/s over the steps after skip_steps: the window's tokens over its wall time. Each "train"
+    record covers the steps since the previous one; its time is its tokens over its tokens_per_sec."""
+    train = [r for r in records if r.get("kind") == "train"]
+    tokens = seconds = mfu_seconds = wait_seconds = 0.0
+    previous_tokens = 0  # a fresh run: run_ours empties the run directory, so nothing is resumed
+    window_steps, has_wait = [], True
+    for r in train:
+        interval_tokens, previous_tokens = r["tokens_seen"] - previous_tokens, r["tokens_seen"]
+        if r["step"] <= skip_steps:
+            continue
+        interval_s = interval_tokens / r["tokens_per_sec"]
+        tokens += interval_tokens
+        seconds += interval_s
+        mfu_seconds += r.get("mfu", 0.0) * interval_s
+        has_wait = has_wait and DATA_WAIT_KEY in r
+        wait_seconds += r.get(DATA_WAIT_KEY, 0.0) * interval_s
+        window_steps.append(r["step"])
+    if not seconds:
+        return {"tokens_per_sec": None, "note": f"no logged interval after step {skip_steps}"}
+    return {
+        "tokens_per_sec": tokens / seconds,
+        "mfu": mfu_seconds / seconds if any("mfu" in r for r in train) else None,
+        "data_wait_fraction": wait_seconds / seconds if has_wait else None,
+        "window": f"steps {skip_steps + 1}-{window_steps[-1]}",
+        "window_s": round(seconds, 2),
+        "peak_mem_gib": max((r["mem_peak_gib"] for r in train if "mem_peak_gib" in r), default=None),
+    }
+
+
+NANOGPT_ITER_LINE = re.compile(r"^iter (\d+): loss \S+, time ([\d.]+)ms", re.MULTILINE)
+
+
+def read_nanogpt_log(output, tokens_per_step, skip_steps):
+    """nanoGPT prints `iter N: loss L, time Tms, mfu M%` per iteration; iteration N is step N + 1.
+    tokens/s over steps after skip_steps: the window's tokens over the sum of its iteration times. Its
+    clock is read before the iteration's loss.item(), so one time can end before the GPU is done; the
+    sum telescopes, so only the offsets at the window's two ends remain."""
+    times_ms = [(int(i), float(ms)) for i, ms in NANOGPT_ITER_LINE.findall(output)]
+    window = [ms for iteration, ms in times_ms if iteration + 1 > skip_steps]
+    if not window:
+        return {"tokens_per_sec": None, "note": f"no iteration after step {skip_steps} in its output"}
+    seconds = sum(window) / 1000
+    last_step = max(iteration for iteration, _ in times_ms) + 1
+    return {"tokens_per_sec": len(window) * tokens_per_step / seconds,
+            "window": f"steps {skip_steps + 1}-{last_step}", "window_s": round(seconds, 2)}
+
+
+def run_nanogpt(stage_name, stage, shape, batch, tiny, port, log):
+    train_script = NANOGPT_DIR / "train.py"
+    if not train_script.is_file():
+        return {"status": "missing", "note": (
+            f"no nanoGPT checkout at {NANOGPT_DIR} -> git clone https://github.com/karpathy/nanoGPT "
+            f"{REPO / '.baselines' / 'nanoGPT'} (or set NANOGPT_DIR); an offline machine needs it carried there")}
+    data_dir = random_token_data(batch, tiny)
+    run_dir = WORK_DIR / stage_name / "nanogpt"
+    remove_tree(run_dir)
+    flags = nanogpt_flags(shape, batch, stage["steps"], run_dir, data_dir, tiny)
+    processes = stage["gpus"]
+    note = None
+    if tiny and processes > 1:  # its DDP path calls torch.cuda.set_device(f'cuda:{local_rank}')
+        processes, note = 1, "CPU: nanoGPT's DDP path needs CUDA, so this side ran one process"
+    # as launch.sh does for ours: the cores shared out between the processes
+    env_extra = {**device_env(stage["gpus"], tiny), "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // processes))}
+    if processes == 1:  # how its README runs one GPU: no torchrun, no DDP wrapper
+        command = [sys.executable, "train.py", *flags]
+    else:
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes),
+                   "--master-addr", "127.0.0.1", "--master-port", str(port), "train.py", *flags]
+    status, output, seconds = run_process(command, NANOGPT_DIR, env_extra, stage["timeout_s"], log)
+    record = {"command": shell_text(command, env_extra, NANOGPT_DIR).replace(sys.executable, "python3"),
+              "status": status, "seconds": round(seconds, 1)}
+    record.update(read_nanogpt_log(output, tokens_per_step(batch), stage["skip_steps"]))
+    record["note"] = "; ".join(n for n in [note, record.get("note")] if n) or None
+    remove_tree(run_dir)
+    return record
+
+
+def run_hf_trainer(stage_name, stage, shape, batch, tiny, port, log):
+    """The worker runs in a child process (see hf_trainer_worker) so a timeout can end it like any side."""
+    compiled = stage["sides"][0].endswith("compiled")
+    command = [sys.executable, "bench/bench.py", "--hf-trainer-worker", stage_name]
+    if tiny:
+        command.append("--tiny")
+    env_extra = device_env(1, tiny)  # one GPU: with two visible, the Trainer would wrap the model in DataParallel
+    status, output, seconds = run_process(command, REPO, env_extra, stage["timeout_s"], log)
+    record = {"command": shell_text(command, env_extra, REPO).replace(sys.executable, "python3"),
+              "status": status, "seconds": round(seconds, 1), "compiled": compiled}
+    result_lines = re.findall(r"^HF_TRAINER_RESULT (.*)$", output, re.MULTILINE)
+    if result_lines:
+        record.update(json.loads(result_lines[-1]))
+    return record
+
+
+def hf_trainer_worker(stage_name, tiny):
+    """transformers.Trainer on the stage's shape and the random tokens: GPT2Config built here (no
+    download), bf16, no evaluation, saving or logging. A callback reads a CUDA-synchronized clock at
+    the end of step skip_steps and of the last step: without the synchronization the clock would be
+    read while the GPU still has queued work."""
+    import torch
+    from transformers import (AutoModelForCausalLM, GPT2Config, Trainer, TrainerCallback, TrainingArguments)
+
+    stage, shape, batch = stage_settings(stage_name, tiny)
+    compiled = stage["sides"][0].endswith("compiled")
+    data_dir = random_token_data(batch, tiny)
+    seq_len = batch["seq_len"]
+
+    class TokenBlocks(torch.utils.data.Dataset):
+        def __init__(self, path):
+            self.tokens = np.memmap(path, dtype=np.uint16, mode="r")
+
+        def __len__(self):
+            return len(self.tokens) // seq_len
+
+        def __getitem__(self, index):
+            block = torch.from_numpy(self.tokens[index * seq_len:(index + 1) * seq_len].astype(np.int64))
+            return {"input_ids": block, "labels": block}  # the model shifts labels itself
+
+    class WindowClock(TrainerCallback):
+        start = end = None
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step in (stage["skip_steps"], stage["steps"]):
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                now = time.perf_counter()
+                if state.global_step == stage["skip_steps"]:
+                    self.start = now
+                else:
+                    self.end = now
+
+    config = GPT2Config(vocab_size=batch["vocab_size"], n_positions=seq_len, n_embd=shape["n_embd"],
+                        n_layer=shape["n_layer"], n_head=shape["n_head"], resid_pdrop=0.0, embd_pdrop=0.0,
+                        attn_pdrop=0.0, use_cache=False,
+                        bos_token_id=0, eos_token_id=0)  # GPT-2's default 50256 is outside the vocabulary
+    torch.manual_seed(1337)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    on_gpu = torch.cuda.is_available() and not tiny
+    args = TrainingArguments(
+        output_dir=str(WORK_DIR / stage_name / "hf_trainer"), max_steps=stage["steps"],
+        per_device_train_batch_size=batch["micro_batch_size"],
+        gradient_accumulation_steps=batch["global_batch_size"] // batch["micro_batch_size"],
+        learning_rate=6e-4, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, max_grad_norm=1.0,
+        lr_scheduler_type="cosine", warmup_steps=min(50, stage["steps"] // 4),  # as ours: config.yaml's optim
+        bf16=on_gpu, tf32=True if on_gpu else None, torch_compile=compiled, use_cpu=not on_gpu,
+        eval_strategy="no", save_strategy="no", logging_strategy="no", report_to="none", disable_tqdm=True,
+        dataloader_drop_last=True, seed=1337,
+    )
+    clock = WindowClock()
+    trainer = Trainer(model=model, args=args, train_dataset=TokenBlocks(data_dir / "train.bin"), callbacks=[clock])
+    trainer.train()
+    window_steps = stage["steps"] - stage["skip_steps"]
+    seconds = clock.end - clock.start
+    result = {"tokens_per_sec": window_steps * tokens_per_step(batch) / seconds,
+              "window": f"steps {stage['skip_steps'] + 1}-{stage['steps']}", "window_s": round(seconds, 2),
+              "optim": getattr(args.optim, "value", str(args.optim)), "attention": "sdpa"}
+    print("HF_TRAINER_RESULT " + json.dumps(result), flush=True)
+
+
+SIDE_RUNNERS = {"ours": run_ours, "nanogpt": run_nanogpt, "hf_trainer": run_hf_trainer,
+                "hf_trainer_compiled": run_hf_trainer}
+
+
+# ----------------------------------------------------------------------------- 6. figures
+
+def tokens_per_step(batch):
+    return batch["global_batch_size"] * batch["seq_len"]
+
+
+def flops_per_token(shape, batch):
+    """train_ddp.py's formula (PaLM, Chowdhery et al. 2022, app. B): 6 x the parameters multiplied with
+    every token + 12 x layers x width x seq_len. For this GPT-2 layout those parameters are all but the
+    position embedding (the token embedding is the output layer too): per layer 12 d^2 + 13 d (four
+    weight matrices, their biases, two LayerNorms), the final LayerNorm 2 d, the output layer vocab x d.
+    nanoGPT's estimate_mfu counts the same (get_num_params) with the same attention term."""
+    layers, width = shape["n_layer"], shape["n_embd"]
+    matmul_params = layers * (12 * width**2 + 13 * width) + 2 * width + batch["vocab_size"] * width
+    return 6 * matmul_params + 12 * layers * width * batch["seq_len"]
+
+
+def mfu_by_our_formula(record, shape, batch, gpus, peak_flops):
+    if not (record.get("tokens_per_sec") and peak_flops):
+        return None
+    return flops_per_token(shape, batch) * record["tokens_per_sec"] / (peak_flops * gpus)
+
+
+def ratio(value, baseline_value):
+    return value / baseline_value if value and baseline_value else None
+
+
+def sides_by_stage(stage_records):
+    by_stage = {}
+    for r in stage_records:
+        by_stage.setdefault(r["stage"], {})[r["side"]] = r
+    return by_stage
+
+
+def figures(stage_records):
+    """One results.jsonl row per figure; ratio is always value / baseline_value."""
+    by_stage = sides_by_stage(stage_records)
+    rows = []
+
+    def row(metric, value, unit, baseline, baseline_value, command, baseline_command=None, source=None, note=None):
+        source = source or {}
+        rows.append({"date": source.get("date"), "machine": source.get("machine"), "metric": metric,
+                     "value": value, "unit": unit, "baseline": baseline, "baseline_value": baseline_value,
+                     "ratio": ratio(value, baseline_value), "command": command,
+                     "baseline_command": baseline_command, "note": note,
+                     "tiny": source.get("tiny", False)})
+
+    def nanogpt_label(r):
+        return f"nanoGPT train.py @{r.get('nanogpt_commit', 'unknown')[:7]}, same shape, same call"
+
+    for name in ["shapeA_1gpu", "shapeB_1gpu", "shapeA_2gpu", "shapeB_2gpu"]:
+        sides = by_stage.get(name, {})
+        ours, theirs = sides.get("ours"), sides.get("nanogpt")
+        if not ours:
+            continue
+        theirs = theirs or {}
+        row(f"{name}_tokens_per_sec", ours.get("tokens_per_sec"), "tokens/s", nanogpt_label(ours),
+            theirs.get("tokens_per_sec"), ours.get("command"), theirs.get("command"), ours,
+            note=" ".join(n for n in [ours.get("note"), theirs.get("note")] if n) or None)
+        if name == "shapeB_1gpu":
+            row("shapeB_1gpu_mfu", ours.get("mfu"), "fraction of peak dense bf16 FLOP/s (train_ddp.py's table)",
+                nanogpt_label(ours) + ", MFU by our formula", theirs.get("mfu_by_our_formula"),
+                ours.get("command"), theirs.get("command"), ours)
+    for shape in ["A", "B"]:
+        one, two = by_stage.get(f"shape{shape}_1gpu", {}), by_stage.get(f"shape{shape}_2gpu", {})
+        if "ours" in one and "ours" in two:
+            ours_scaling = ratio(two["ours"].get("tokens_per_sec"), one["ours"].get("tokens_per_sec"))
+            their_scaling = ratio((two.get("nanogpt") or {}).get("tokens_per_sec"),
+                                  (one.get("nanogpt") or {}).get("tokens_per_sec"))
+            same_machine = one["ours"].get("machine") == two["ours"].get("machine")
+            note = None if same_machine else "1 and 2 GPUs ran on different machines"
+            row(f"shape{shape}_scaling_1to2", ours_scaling, "x (2-GPU tokens/s / 1-GPU tokens/s)",
+                "nanoGPT's own 1 -> 2 GPU scaling", their_scaling,
+                f"{one['ours'].get('command')} ; {two['ours'].get('command')}", None, two["ours"], note)
+    ours_a = by_stage.get("shapeA_1gpu", {}).get("ours")
+    if ours_a:
+        wait = ours_a.get("data_wait_fraction")
+        row("data_wait_fraction", wait, "fraction of step time", None, None, ours_a.get("command"), None, ours_a,
+            None if wait is not None else f"train_ddp.py does not report '{DATA_WAIT_KEY}' in metrics.jsonl yet")
+    for name, metric in [("hf_trainer", "hf_trainer_shapeA_tokens_per_sec"),
+                         ("hf_trainer_compiled", "hf_trainer_shapeA_compiled_tokens_per_sec")]:
+        hf = by_stage.get(name, {}).get(name)
+        if hf:
+            row(metric, hf.get("tokens_per_sec"), "tokens/s",
+                "ours: train_ddp.py shape A, 1 GPU" + ("" if ours_a else " (not run with it: no baseline)"),
+                (ours_a or {}).get("tokens_per_sec"), hf.get("command"), (ours_a or {}).get("command"), hf)
+    return rows
+
+
+def number(value, digits=0):
+    if value is None:
+        return "—"
+    return f"{value:,.{digits}f}"
+
+
+def percent(value):
+    return "—" if value is None else f"{100 * value:.1f}%"
+
+
+def summary_markdown(stage_records, rows):
+    first = stage_records[0]
+    machines = sorted({r["machine"] for r in stage_records})
+    invocations = "`; `".join(dict.fromkeys(r.get("invocation") or "python3 bench/bench.py"
+                                            for r in stage_records))
+    lines = [
+        f"## {first['date']} — {' / '.join(machines)}; torch {first.get('torch')}, CUDA {first.get('cuda')}, "
+        f"NCCL {first.get('nccl')}, transformers {first.get('transformers')}, Python {first.get('python')}"
+        + (" (--tiny: CPU plumbing check, not a measurement)" if first.get("tiny") else ""),
+        "",
+        f"`{invocations}` at commit {first.get('repo_commit')}; "
+        f"nanoGPT karpathy/nanoGPT@{first.get('nanogpt_commit')} (NCCL_NVLS_ENABLE={first.get('nccl_nvls_enable')}). "
+        "Every side: the same steps, tokens/s = the tokens of the steps after the warm-up window / their wall time (ours: its metrics.jsonl intervals; nanoGPT: "
+        "its per-iteration `time ...ms`; HF Trainer: a CUDA-synchronized clock at two step ends). "
+        "MFU = (6 x matmul parameters + 12 x layers x width x seq_len) x tokens/s / (peak x GPUs), train_ddp.py's "
+        "formula; nanoGPT's by the same formula from its tokens/s. ratio = ours / baseline. Data: ours reads "
+        "data/stdlib (launch.sh prepares it), nanoGPT and the HF Trainer read uniform random tokens of the same "
+        "vocabulary (out/bench/random_tokens); a causal step of fixed length does the same work on either.",
+    ]
+    by_stage = sides_by_stage(stage_records)
+    if any("ours" in sides for sides in by_stage.values()):
+        lines += ["", "| stage | GPUs | window | ours tokens/s | nanoGPT tokens/s | ratio "
+                  "| ours MFU (reported / formula) | nanoGPT MFU (formula) | ours peak mem GiB | status ours / nanoGPT |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, sides in by_stage.items():
+        if "ours" in sides:
+            ours, theirs = sides["ours"], sides.get("nanogpt", {})
+            ours_tps, their_tps = ours.get("tokens_per_sec"), theirs.get("tokens_per_sec")
+            lines.append(
+                f"| {name} | {ours.get('gpus')} | {ours.get('window', '—')} | {number(ours_tps)} | {number(their_tps)} "
+                f"| {number(ratio(ours_tps, their_tps), 2)} "
+                f"| {percent(ours.get('mfu'))} / {percent(ours.get('mfu_by_our_formula'))} "
+                f"| {percent(theirs.get('mfu_by_our_formula'))} | {number(ours.get('peak_mem_gib'), 1)} "
+                f"| {ours.get('status')} / {theirs.get('status', '—')} |")
+    hf_sides = [sides[name] for name, sides in by_stage.items() if name.startswith("hf_") and name in sides]
+    if hf_sides:
+        ours_tps = by_stage.get("shapeA_1gpu", {}).get("ours", {}).get("tokens_per_sec")
+        lines += ["", "| HF Trainer, shape A, 1 GPU | window | tokens/s | vs ours (shapeA_1gpu) | status |",
+                  "|---|---|---|---|---|"]
+        for hf in hf_sides:
+            lines.append(f"| {hf['side']} | {hf.get('window', '—')} | {number(hf.get('tokens_per_sec'))} "
+                         f"| {number(ratio(hf.get('tokens_per_sec'), ours_tps), 2)} | {hf.get('status')} |")
+    lines += ["", "Commands (from the repository root; each side's seconds include start-up, compile, "
+              "the unavoidable evaluations, ours' final checkpoint and export):", ""]
+    for r in stage_records:
+        if r.get("command"):
+            lines.append(f"- {r['stage']} / {r['side']} ({r.get('seconds')} s): `{r['command']}`")
+    notes = [f"- {r['stage']} / {r['side']}: {r['note']}" for r in stage_records if r.get("note")]
+    notes += [f"- {row['metric']}: {row['note']}" for row in rows
+              if row["metric"] == "data_wait_fraction" and row["note"]]
+    notes += [f"- {r['stage']} / ours: data/stdlib's vocabulary is {r['vocab']}, not {BATCH['vocab_size']}"
+              for r in stage_records
+              if r["side"] == "ours" and not r.get("tiny") and r.get("vocab") not in (None, BATCH["vocab_size"])]
+    if notes:
+        lines += ["", "Notes:", "", *notes]
+    return "\n".join(lines) + "\n"
+
+
+def record_in_repo(summary, rows):
+    """RESULTS.md lists newest first: the section goes before the first dated one."""
+    results_md = REPO / "bench" / "RESULTS.md"
+    text = results_md.read_text()
+    cut = text.find("\n## ")
+    text = text[:cut + 1] + summary + "\n" + text[cut + 1:] if cut >= 0 else text + "\n" + summary
+    results_md.write_text(text)
+    with open(REPO / "bench" / "results.jsonl", "a") as file:
+        for row in rows:
+            file.write(json.dumps(row) + "\n")
+    print(f"appended to {results_md} and {REPO / 'bench' / 'results.jsonl'}")
+
+
+def write_outputs(stage_records, record):
+    rows = figures(stage_records)
+    summary = summary_markdown(stage_records, rows)
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "summary.md").write_text(summary)
+    with open(OUT / "results.jsonl", "w") as file:
+        for row in rows:
+            file.write(json.dumps(row) + "\n")
+    print("\n" + summary)
+    if record:
+        record_in_repo(summary, rows)
+
+
+# ----------------------------------------------------------------------------- 7. main
+
+def remove_tree(path):
+    subprocess.run(["rm", "-rf", str(path)], check=False)
+
+
+def stage_settings(stage_name, tiny):
+    stage = dict(STAGES[stage_name])
+    if tiny:
+        stage.update(TINY_STEPS)
+    shape = (TINY_SHAPES if tiny else SHAPES)[stage.get("shape", "A")]
+    return stage, shape, (TINY_BATCH if tiny else BATCH)
+
+
+def run_stage(stage_name, tiny, machine, timeout_s, port, log, keep):
+    stage, shape, batch = stage_settings(stage_name, tiny)
+    if timeout_s:
+        stage["timeout_s"] = timeout_s
+    base = {"stage": stage_name, "date": machine["date"], "tiny": tiny, "gpus": stage.get("gpus"),
+            "shape": shape, "steps": stage.get("steps"), "skip_steps": stage.get("skip_steps"),
+            **{key: machine.get(key) for key in ["machine", "torch", "cuda", "nccl", "transformers", "python",
+                                                  "nanogpt_commit", "repo_commit", "nccl_nvls_enable", "invocation"]}}
+    if "placeholder" in stage:
+        log(f"=== {stage_name}: not yet ({stage['placeholder']})")
+        return [keep({**base, "side": "placeholder", "status": "not yet", "note": stage["placeholder"]})]
+    if not tiny and machine["gpus"] < stage["gpus"]:
+        log(f"=== {stage_name}: skipped, needs {stage['gpus']} GPUs, {machine['gpus']} visible")
+        return [keep({**base, "side": side, "status": f"skipped: {machine['gpus']} GPUs visible"})
+                for side in stage["sides"]]
+    records = []
+    for index, side in enumerate(stage["sides"]):
+        log(f"=== {stage_name} / {side}: {stage['steps']} steps, window after step {stage['skip_steps']}, "
+            f"timeout {stage['timeout_s']}s")
+        try:
+            record = SIDE_RUNNERS[side](stage_name, stage, shape, batch, tiny, port + index, log)
+        except Exception as error:  # one broken side must not cost the figures of the others
+            record = {"status": f"error: {type(error).__name__}: {error}"}
+        record = {**base, "side": side, **record}
+        record["mfu_by_our_formula"] = mfu_by_our_formula(record, shape, batch, stage["gpus"], machine["peak_flops"])
+        log(f"=== {stage_name} / {side}: {record['status']}, tokens/s {number(record.get('tokens_per_sec'))} "
+            f"({record.get('window', 'no window')}), {record.get('seconds')} s in all")
+        records.append(keep(record))
+    return records
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--stages", default="all", help=f"comma-separated, or all: {','.join(STAGES)}")
+    parser.add_argument("--tiny", action="store_true",
+                        help="CPU plumbing check: tiny shapes, fp32; only the HF Trainer's compiled side compiles")
+    parser.add_argument("--timeout-s", type=int, default=0, help="per-side timeout for every stage (default: STAGES)")
+    parser.add_argument("--no-record", action="store_true", help="write $OUT only, not bench/RESULTS.md")
+    parser.add_argument("--record", nargs="+", metavar="DIR", help="append DIR/stages.jsonl (earlier runs) to bench/")
+    parser.add_argument("--hf-trainer-worker", metavar="STAGE", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.hf_trainer_worker:
+        hf_trainer_worker(args.hf_trainer_worker, args.tiny)
+        return
+    if args.record:
+        stage_records = [json.loads(line) for directory in args.record
+                         for line in (Path(directory) / "stages.jsonl").read_text().splitlines() if line.strip()]
+        if any(r.get("tiny") for r in stage_records):
+            sys.exit("error: --tiny results are plumbing checks, not measurements -> record only GPU runs")
+        rows = figures(stage_records)
+        record_in_repo(summary_markdown(stage_records, rows), rows)
+        return
+
+    stage_names = list(STAGES) if args.stages == "all" else [s.strip() for s in args.stages.split(",") if s.strip()]
+    unknown = [s for s in stage_names if s not in STAGES]
+    if unknown:
+        sys.exit(f"error: unknown stage {', '.join(unknown)} -> choose from {','.join(STAGES)}")
+    # NVLink multicast stays off, as the GPU machines here require, also if a shell lost the variables
+    for key, value in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                       "NVSHMEM_DISABLE_NVLS": "1"}.items():
+        os.environ.setdefault(key, value)
+    OUT.mkdir(parents=True, exist_ok=True)
+    for name in ["bench.log", "stages.jsonl"]:  # this run's alone: --record reads stages.jsonl whole
+        (OUT / name).unlink(missing_ok=True)
+    log = Log(OUT / "bench.log")
+    machine = probe_machine()
+    machine["date"] = datetime.now(timezone.utc).strftime("%Y-%m-%d")
+    machine["invocation"] = " ".join(["python3 bench/bench.py", *map(shlex.quote, sys.argv[1:])])
+    log(f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC} {machine['invocation']}")
+    log(json.dumps(machine))
+    if args.tiny:
+        machine["peak_flops"] = None  # no GPU: no MFU
+
+    stage_records = []
+
+    def keep(record):  # written side by side: a call killed at its time limit keeps the sides done
+        stage_records.append(record)
+        with open(OUT / "stages.jsonl", "a") as file:
+            file.write(json.dumps(record) + "\n")
+        return record
+
+    for index, stage_name in enumerate(stage_names):
+        started = time.perf_counter()
+        try:
+            run_stage(stage_name, args.tiny, machine, args.timeout_s, 29600 + 10 * index, log, keep)
+        except Exception as error:
+            keep({"stage": stage_name, "side": "stage", "status": f"error: {type(error).__name__}: {error}",
+                  "date": machine["date"], "machine": machine["machine"], "tiny": args.tiny})
+        log(f"=== {stage_name}: {time.perf_counter() - started:.0f} s")
+    write_outputs(stage_records, record=not (args.tiny or args.no_record))
+
+
+if __name__ == "__main__":
+    main()
