@@ -520,6 +520,125 @@ def test_bad_model_settings_are_one_line_errors(override, fragment, data_dir, tm
     assert_one_line_error(result, fragment)
 
 
+# ----------------------------------------------------------------------------- train_fsdp.py
+
+# 24 sequences per step: 2 ranks x 3, 1 rank x 6 and 3 ranks x 2 micro-batches of 4 (the resume tests use all three)
+FSDP_STEPS = [*TINY_MODEL, "train.global_batch_size=24", "train.micro_batch_size=4", "train.max_steps=8",
+              "checkpoint.every=4", "train.eval_every=4", "log.every=1", "optim.lr=1e-2", "optim.warmup_steps=2",
+              "model.dropout=0.0", "train.precision=fp32"]
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(data_dir, tmp_path_factory):
+    """8 steps of train_fsdp.py on 2 processes through launch.sh, sharded checkpoints at steps 4 and 8."""
+    out = tmp_path_factory.mktemp("fsdp")
+    result = run(["bash", "launch.sh", "train_fsdp.py", f"data.dir={data_dir}", *FSDP_STEPS, f"out_dir={out}",
+                  f"checkpoint.dir={out}/ckpt"], env_extra={"MASTER_PORT": str(free_port())})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return out, result
+
+
+def losses(out_dir):
+    return {t["step"]: t["loss"] for t in read_metrics(out_dir, "train")}
+
+
+def test_fsdp_gives_the_losses_of_ddp_for_the_same_seed_and_data(fsdp_run, data_dir, tmp_path):
+    """3 micro-batches per rank: accumulation without gradient sync, then one reduce-scatter."""
+    out, result = fsdp_run
+    assert "world size 2 (gloo, cpu)" in result.stdout and "sharded over 2 ranks" in result.stdout
+    torchrun(2, "train_ddp.py", f"data.dir={data_dir}", *FSDP_STEPS, f"out_dir={tmp_path}",
+             f"checkpoint.dir={tmp_path}/ckpt")
+    fsdp, ddp = losses(out), losses(tmp_path)
+    assert sorted(fsdp) == list(range(1, 9)) and sorted(ddp) == sorted(fsdp)
+    assert all(fsdp[step] == pytest.approx(ddp[step], rel=1e-5) for step in ddp), (fsdp, ddp)
+    assert read_metrics(out, "val")[-1]["val_loss"] < 0.8 * read_metrics(out, "val")[0]["val_loss"]
+
+
+def test_fsdp_masked_lm_with_a_tied_output_layer_gives_the_losses_of_ddp(data_dir, tmp_path):
+    """BERT ties its output layer to the embedding inside a block of _no_split_modules (BertEmbeddings): that
+    block must stay in the root's FSDP unit, or the shared weight would be gathered by two units."""
+    runs = {}
+    for script in ["train_ddp.py", "train_fsdp.py"]:
+        out = tmp_path / script
+        torchrun(2, script, f"data.dir={data_dir}", "model.type=bert", *FSDP_STEPS, "train.max_steps=3",
+                 "checkpoint.every=0", "export=false", "train.eval_batches=1", f"out_dir={out}", f"checkpoint.dir={out}/c")
+        runs[script] = losses(out)
+    assert runs["train_fsdp.py"] == pytest.approx(runs["train_ddp.py"], rel=1e-5)
+
+
+def test_fsdp_resume_continues_exactly_and_on_other_world_sizes_from_the_same_sample(fsdp_run, data_dir, tmp_path):
+    from safetensors.torch import load_file
+    out, _ = fsdp_run
+    uninterrupted = losses(out)
+    for world_size in [2, 1, 3]:
+        resumed_dir = tmp_path / f"resumed_on_{world_size}"
+        shutil.copytree(out / "ckpt" / "step_000004", resumed_dir / "ckpt" / "step_000004")
+        torchrun(world_size, "train_fsdp.py", f"data.dir={data_dir}", *FSDP_STEPS, f"out_dir={resumed_dir}",
+                 f"checkpoint.dir={resumed_dir}/ckpt")
+        resumed = losses(resumed_dir)
+        assert sorted(resumed) == [5, 6, 7, 8], world_size
+        state = torch.load(resumed_dir / "ckpt" / "step_000008" / "train_state.pt", weights_only=True)
+        assert state["samples_seen"] == 8 * 24 and state["world_size"] == world_size
+        final_a, final_b = load_file(out / "final" / "model.safetensors"), load_file(resumed_dir / "final" / "model.safetensors")
+        if world_size == 2:  # the same shards and the same reduction order: bit for bit
+            assert all(resumed[step] == uninterrupted[step] for step in resumed)
+            assert all(torch.equal(final_a[name], final_b[name]) for name in final_a)
+        else:  # resharded: sums over other splits round differently in the last bits
+            assert all(resumed[step] == pytest.approx(uninterrupted[step], rel=1e-5) for step in resumed)
+            assert all(torch.allclose(final_a[name], final_b[name], rtol=1e-3, atol=1e-5) for name in final_a)
+
+
+def test_fsdp_ranks_hold_a_shard_each_and_the_export_gives_the_trained_logits(tmp_path):
+    """Each of 2 ranks holds half the parameters and half the AdamW state; the exported directory loads with
+    AutoModelForCausalLM and computes the logits the sharded model computed."""
+    script = tmp_path / "shards.py"
+    script.write_text(f"""
+import json, sys
+sys.path.insert(0, {str(REPO)!r})
+import torch, torch.distributed as dist
+import train_fsdp
+dist.init_process_group("gloo")
+rank, device = dist.get_rank(), torch.device("cpu")
+cfg = train_fsdp.load_config({TINY_MODEL!r} + ["model.dropout=0.0", "train.compile=false"], use_cuda=False)
+special = {{"eot": 0, "pad": 1, "mask": 2, "cls": 3, "sep": 4}}
+torch.manual_seed(0)
+source = train_fsdp.build_model(cfg, "causal", 448, special, device)[0] if rank == 0 else None
+with torch.device("meta"):
+    model, _ = train_fsdp.build_model(cfg, "causal", 448, special, device, shapes_only=True)
+train_fsdp.shard_model(model, source, cfg, None, False, device)
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+ids = torch.randint(5, 448, (4, 64), generator=torch.Generator().manual_seed(0))
+for _ in range(2):
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+local = {{"parameters": sum(p.to_local().numel() for p in model.parameters()),
+          "total": sum(p.numel() for p in model.parameters()),
+          "adam_state": sum(v.to_local().numel() for s in optimizer.state.values() for v in s.values() if v.dim() > 0)}}
+with torch.no_grad():
+    logits = model(input_ids=ids).logits
+full_model = train_fsdp.gather_full_model(model, cfg, "causal", 448, special, device)
+if rank == 0:
+    full_model.save_pretrained({str(tmp_path / "export")!r})
+    torch.save(logits, {str(tmp_path / "logits.pt")!r})
+print("RESULT", rank, json.dumps(local), flush=True)
+dist.destroy_process_group()
+""")
+    result = torchrun(2, script)
+    shares = [json.loads(line.split(" ", 2)[2]) for line in result.stdout.splitlines() if line.startswith("RESULT")]
+    assert len(shares) == 2
+    total = shares[0]["total"]
+    for share in shares:
+        assert abs(share["parameters"] - total / 2) < 0.01 * total, shares
+        assert share["adam_state"] == 2 * share["parameters"], shares  # exp_avg and exp_avg_sq of its shard only
+    from transformers import AutoModelForCausalLM
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "export")
+    assert exported.get_output_embeddings().weight is exported.get_input_embeddings().weight  # still tied
+    ids = torch.randint(5, 448, (4, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.allclose(exported(input_ids=ids).logits, torch.load(tmp_path / "logits.pt"), atol=1e-5)
+
+
 # ----------------------------------------------------------------------------- launch.sh
 
 def test_launch_script_is_clean_under_shellcheck():

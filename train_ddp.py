@@ -48,6 +48,11 @@ def die(message):
     raise UserError(message)
 
 
+def first_line(error):
+    """An exception's first line, for a one-line message (some exceptions have an empty text)."""
+    return (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+
+
 def log0(*values):
     if int(os.environ.get("RANK", "0")) == 0:
         print(*values, flush=True)
@@ -137,7 +142,8 @@ def main():
     resume_dir = on_rank0(find_resume_checkpoint, ckpt_dir, cfg.checkpoint.resume)
     step, samples_seen, tokens_seen = 0, 0, 0
     if resume_dir is not None:
-        train_state = on_all_ranks(load_checkpoint, resume_dir, raw_model, optimizer, scheduler, scaler, cfg)
+        train_state = on_all_ranks(load_train_state, resume_dir, scheduler, scaler, cfg)
+        on_all_ranks(load_weights, resume_dir, raw_model, optimizer)
         step, samples_seen, tokens_seen = train_state["step"], train_state["samples_seen"], train_state["tokens_seen"]
         restore_rng(train_state["rng"], rank, cfg.train.seed, step)
         if train_state.get("data_fingerprint") != meta.get("fingerprint"):
@@ -231,7 +237,7 @@ def main():
             interval_start, paused_s = time.perf_counter(), 0.0
 
         evaluate_now = step % cfg.train.eval_every == 0 or step == cfg.train.max_steps
-        save_now = step % cfg.checkpoint.every == 0 or step == cfg.train.max_steps
+        save_now = cfg.checkpoint.every > 0 and (step % cfg.checkpoint.every == 0 or step == cfg.train.max_steps)
         if evaluate_now or save_now:  # validation and checkpoints are not training throughput
             if use_cuda:
                 torch.cuda.synchronize()  # the step's own GPU work counts as training time, not as the pause
@@ -253,7 +259,8 @@ def main():
             paused_s += time.perf_counter() - pause_start
 
     if rank == 0:
-        export_final(raw_model, data_dir, meta, out_dir / "final", task, cfg, device)
+        if cfg.export:
+            export_final(raw_model, data_dir, meta, out_dir / "final", task, cfg, device)
         metrics_file.close()
     dist.destroy_process_group()
 
@@ -290,7 +297,7 @@ RANGES = {
     "optim.beta2": (lambda v: 0 <= v < 1, "from 0 up to (not including) 1"),
     "optim.eps": (lambda v: v > 0, "above 0"),
     "optim.grad_clip": (lambda v: v >= 0, "of at least 0 (0 = no clipping)"),
-    "checkpoint.every": (lambda v: v >= 1, "of at least 1"),
+    "checkpoint.every": (lambda v: v >= 0, "of at least 0 (0 = no checkpoints)"),
     "checkpoint.keep": (lambda v: v >= 1, "of at least 1"),
     "log.every": (lambda v: v >= 1, "of at least 1"),
     "log.sample_tokens": (lambda v: v >= 0, "of at least 0"),
@@ -418,19 +425,21 @@ def choose_precision(requested, device):
     return "bf16" if torch.cuda.get_device_capability(device) >= (8, 0) else "fp16"
 
 
-def on_rank0(function, *args):
-    """Run `function` on rank 0 alone and hand its result to every rank; if it fails, every rank stops
-    with its message (a failure on rank 0 alone would leave the others waiting until the timeout)."""
-    outcome = [None, None]
+def on_rank0(function, *args, share_result=True):
+    """Run `function` on rank 0 alone and hand its result to every rank (share_result=False: only rank 0
+    gets it, the others None); if it fails, every rank stops with its message (a failure on rank 0 alone
+    would leave the others waiting in their next collective until the timeout)."""
+    result, outcome = None, [None, None]
     if dist.get_rank() == 0:
         try:
-            outcome = [function(*args), None]
+            result = function(*args)
         except UserError as error:
-            outcome = [None, str(error)]
+            outcome[1] = str(error)
+        outcome[0] = result if share_result else None
     dist.broadcast_object_list(outcome, src=0)
     if outcome[1]:
         die(outcome[1])
-    return outcome[0]
+    return result if dist.get_rank() == 0 else outcome[0]
 
 
 def on_all_ranks(function, *args):
@@ -646,7 +655,7 @@ def load_pretrained_config(path):
     try:
         return AutoConfig.from_pretrained(path, local_files_only=True)  # no hub download: offline machines
     except (OSError, ValueError) as error:
-        die(f"cannot read a transformers config from model.pretrained={path} ({str(error).splitlines()[0][:150]}) "
+        die(f"cannot read a transformers config from model.pretrained={path} ({first_line(error)}) "
             "-> give a local directory holding config.json and the weights")
 
 
@@ -655,6 +664,9 @@ def build_model(cfg, task, padded_vocab_size, special, device):
     attention = choose_attention(cfg.model.attention, device)
     if cfg.model.pretrained:
         config = load_pretrained_config(cfg.model.pretrained)
+        if getattr(config, "max_position_embeddings", cfg.train.seq_len) < cfg.train.seq_len:
+            die(f"{cfg.model.pretrained} knows {config.max_position_embeddings} positions, "
+                f"train.seq_len is {cfg.train.seq_len} -> lower train.seq_len")
     else:
         if cfg.model.n_embd % cfg.model.n_head:
             die(f"model.n_embd={cfg.model.n_embd} is not divisible by model.n_head={cfg.model.n_head} "
@@ -667,7 +679,7 @@ def build_model(cfg, task, padded_vocab_size, special, device):
                 bos_token_id=special["eot"], eos_token_id=special["eot"],
             )
         except ValueError as error:
-            die(f"model.type={cfg.model.type} is not a transformers model type ({str(error).splitlines()[0][:100]}) "
+            die(f"model.type={cfg.model.type} is not a transformers model type ({first_line(error)}) "
                 "-> use e.g. gpt2, llama, bert or roberta")
         if hasattr(config, "intermediate_size"):  # models that have one default to their own, much larger size
             config.intermediate_size = 4 * cfg.model.n_embd
@@ -683,11 +695,8 @@ def build_model(cfg, task, padded_vocab_size, special, device):
         model = model_class.from_pretrained(cfg.model.pretrained, config=config, dtype=torch.float32,
                                             attn_implementation=attention, local_files_only=True)
     except (OSError, ValueError) as error:
-        die(f"cannot load model.pretrained={cfg.model.pretrained} ({str(error).splitlines()[0][:150]}) "
+        die(f"cannot load model.pretrained={cfg.model.pretrained} ({first_line(error)}) "
             "-> give a directory written by save_pretrained")
-    if model.config.max_position_embeddings < cfg.train.seq_len:
-        die(f"{cfg.model.pretrained} knows {model.config.max_position_embeddings} positions, "
-            f"train.seq_len is {cfg.train.seq_len} -> lower train.seq_len")
     if model.get_input_embeddings().num_embeddings < padded_vocab_size:
         model.resize_token_embeddings(padded_vocab_size)  # the tokenizer has more tokens than the model
     return model, attention
@@ -816,8 +825,9 @@ def save_checkpoint(ckpt_dir, step, keep, raw_model, optimizer, train_state):
         die(f"cannot write checkpoint to {ckpt_dir} ({error}) -> free disk space or set checkpoint.dir")
 
 
-def load_checkpoint(path, raw_model, optimizer, scheduler, scaler, cfg):
-    """weights_only=True: a checkpoint is data, loading it must never run pickled code."""
+def load_train_state(path, scheduler, scaler, cfg):
+    """Step, data position, RNG, schedule and grad scaler, after checking the model shape matches.
+    weights_only=True everywhere: a checkpoint is data, loading it must never run pickled code."""
     try:
         train_state = torch.load(path / "train_state.pt", weights_only=True)
         saved_config, this_config = train_state["config"], config_dict(cfg)
@@ -825,15 +835,21 @@ def load_checkpoint(path, raw_model, optimizer, scheduler, scaler, cfg):
             if saved_config.get(key) != this_config[key]:
                 die(f"checkpoint {path} was trained with {key}={saved_config.get(key)}, this run has "
                     f"{key}={this_config[key]} -> pass {key}={saved_config.get(key)}, or use another checkpoint.dir")
-        raw_model.load_state_dict(torch.load(path / "model.pt", weights_only=True, map_location="cpu"))
-        optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True, map_location="cpu"))
         scheduler.load_state_dict(train_state["scheduler"])
         scaler.load_state_dict(train_state["scaler"])
-    except (OSError, RuntimeError, KeyError, ValueError, EOFError) as error:
-        reason = (str(error).splitlines() or [type(error).__name__])[0][:200]
-        die(f"cannot load checkpoint {path} ({reason}) -> "
+    except (OSError, RuntimeError, KeyError, ValueError, EOFError, TypeError) as error:
+        die(f"cannot load checkpoint {path} ({first_line(error)}) -> "
             "point checkpoint.resume at another step_* directory, or use a new checkpoint.dir")
     return train_state
+
+
+def load_weights(path, raw_model, optimizer):
+    try:
+        raw_model.load_state_dict(torch.load(path / "model.pt", weights_only=True, map_location="cpu"))
+        optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True, map_location="cpu"))
+    except (OSError, RuntimeError, KeyError, ValueError, EOFError, TypeError) as error:
+        die(f"cannot load checkpoint {path} ({first_line(error)}) -> "
+            "point checkpoint.resume at another step_* directory, or use a new checkpoint.dir")
 
 
 def rng_state(use_cuda):
@@ -858,7 +874,8 @@ def restore_rng(saved_states, rank, seed, step):
 def evaluate(model, val_data, cfg, world_size, rank, device, autocast):
     """Mean loss per label token over the same validation batches every time, each rank computing its share.
     Rank 0 alone would be world_size times slower, and would hang the others if the forward pass itself
-    communicates (DDP broadcasts buffers in forward when the model has any) or outlasts dist.timeout_s."""
+    communicates (DDP broadcasts buffers in forward when the model has any; FSDP all-gathers weights) or
+    outlasts dist.timeout_s."""
     model.eval()
     loss_sum, label_tokens = torch.zeros((), device=device, dtype=torch.float64), 0
     with torch.no_grad():

@@ -89,8 +89,8 @@ def our_overrides(shape, batch, steps, log_every, run_dir, tiny):
         f"train.global_batch_size={batch['global_batch_size']}", f"train.max_steps={steps}",
         # validation at steps 0 and `steps` only, outside the window (the trainer's clock excludes it too)
         f"train.eval_every={steps}", "train.eval_batches=1",
-        f"checkpoint.every={steps}",  # only the checkpoint the trainer always writes at the end
-        f"log.every={log_every}", "log.sample_prompt=",  # no text sample after the export
+        "checkpoint.every=0", "export=false",  # no checkpoint, no export: a bench run leaves only metrics
+        f"log.every={log_every}",
         f"out_dir={run_dir}", f"checkpoint.dir={run_dir}/ckpt",
         "train.compile=false" if tiny else "train.compile=true",
         "train.precision=fp32" if tiny else "train.precision=bf16",
@@ -131,7 +131,7 @@ def probe_machine():
         "    import train_ddp\n"
         "    info['nccl'] = '.'.join(map(str, torch.cuda.nccl.version()))\n"
         "    info['gpu_names'] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]\n"
-        "    info['peak_flops'] = train_ddp.gpu_peak_flops(torch.device('cuda', 0))\n"
+        "    info['peak_flops'] = train_ddp.peak_flops_per_gpu(torch.device('cuda', 0), 0)\n"
         "print(json.dumps(info))\n"
     )
     result = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)

@@ -1,0 +1,1098 @@
+"""Train a transformers model on one or many GPUs with fully sharded data parallelism (FSDP2, `fully_shard`).
+
+    bash launch.sh train_fsdp.py                    # every GPU of this machine (2 CPU processes without GPUs)
+    torchrun --nproc_per_node 8 train_fsdp.py train.max_steps=1000 optim.lr=3e-4
+
+This is train_ddp.py with the parallelism swapped; `diff train_ddp.py train_fsdp.py` shows all that FSDP
+changes. Each rank keeps 1/world_size of the parameters, gradients and optimizer state: a transformer block's
+weights are all-gathered just before its forward (and again before its backward) and freed after, and its
+gradients are reduce-scattered, so each rank ends a step with the gradient of its own shard only. The model
+is built on the meta device and filled from rank 0, so it never has to fit on one GPU. Checkpoints are
+sharded (torch.distributed.checkpoint): every rank writes its own part, and a checkpoint loads on any number
+of ranks. Pick FSDP when the weights, gradients and AdamW state (16 bytes per parameter) do not fit on one GPU.
+
+`main()` tells the whole story in seven numbered sections: 1. config (config.yaml + key=value overrides),
+2. distributed init, 3. data (memory-mapped Arrow shards from preprocess.py, a sampler that depends only on
+(seed, epoch)), 4. model (a transformers config or a local pretrained path), 5. optimizer, 6. checkpoint
+(full state, atomic, auto-resume), 7. training loop (bf16 autocast, gradient accumulation with DDP's
+sharded gradient reduce-scatter, periodic validation, logging, export). The helpers follow `main()`, grouped under the
+same section numbers. Read section 7 first if you want the training step, `global_batch_plan` for the data split.
+Lines marked `# MLM` serve only masked-LM models (BERT): delete them for a causal-only trainer.
+"""
+
+import difflib
+import json
+import math
+import os
+import re
+import shutil
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pyarrow as pa
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import yaml
+from tokenizers import Tokenizer
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_state_dict)
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM, PreTrainedTokenizerFast
+from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+from transformers.utils import logging as transformers_logging
+
+IGNORE_INDEX = -100  # label value F.cross_entropy skips: padding and unmasked MLM positions
+
+
+class UserError(Exception):
+    """A foreseeable mistake (bad config, missing data, unreadable checkpoint): one clear line, no traceback."""
+
+
+def die(message):
+    raise UserError(message)
+
+
+def first_line(error):
+    """An exception's first line, for a one-line message (some exceptions have an empty text)."""
+    return (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+
+
+def log0(*values):
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(*values, flush=True)
+
+
+def main():
+    # ------------------------------------------------------------------------- 1. config
+    args = sys.argv[1:]
+    check_only = "--check" in args  # launch.sh validates the config before it starts any process
+    use_cuda = torch.cuda.is_available()
+    cfg = load_config([arg for arg in args if arg != "--check"], use_cuda)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    micro_batches_per_step = check_config(cfg, world_size)
+    if check_only:
+        for key in ["data.dir", "checkpoint.dir", "checkpoint.resume", "out_dir", "dist.timeout_s"]:
+            print(f"{key}={config_dict(cfg)[key]}")
+        return
+
+    # ------------------------------------------------------------------------- 2. distributed init
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)  # without it every rank would build its NCCL communicator on GPU 0
+    backend = cfg.dist.backend if cfg.dist.backend != "auto" else ("nccl" if use_cuda else "gloo")
+    timeout = timedelta(seconds=cfg.dist.timeout_s)
+    if "RANK" in os.environ:
+        dist.init_process_group(backend, timeout=timeout, device_id=device if use_cuda else None)
+    else:  # plain `python train_fsdp.py`: a one-process group, so the code below has one path
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+
+    precision = choose_precision(cfg.train.precision, device)
+    if precision == "fp16":
+        die("train_fsdp.py does not train in fp16: fp16 needs loss scaling whose inf/NaN check agrees across "
+            "ranks, and each rank here sees only its shard of the gradients (FSDP1 had ShardedGradScaler for this) "
+            "-> use train.precision=bf16 (GPUs of compute capability 8.0+) or fp32, or train_ddp.py")
+    autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    autocast = torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None)
+    # fp32 matmuls (all of an fp32 run, what autocast leaves in fp32) may use TF32 tensor cores: 10 mantissa
+    # bits instead of 23 (bf16 has 7); NVIDIA's A100 datasheet gives 156 TF32 vs 19.5 fp32 TFLOP/s
+    torch.set_float32_matmul_precision("high")
+    log0(
+        f"world size {world_size} ({backend}, {device.type}), precision {precision}, "
+        f"global batch {cfg.train.global_batch_size} sequences = {world_size} ranks x "
+        f"{micro_batches_per_step} micro-batches x {cfg.train.micro_batch_size} sequences"
+    )
+
+    # ------------------------------------------------------------------------- 3. data
+    data_dir = Path(cfg.data.dir)
+    meta = read_meta(data_dir)
+    task = "mlm" if cfg.model.task == "mlm" or (cfg.model.task == "auto" and is_masked_lm_type(cfg)) else "causal"
+    special = meta["special_tokens"]
+    train_data = ArrowTokens(data_dir, meta, "train", task, cfg.train.seq_len, special)
+    val_data = ArrowTokens(data_dir, meta, "val", task, cfg.train.seq_len, special)
+    for split, split_data in [("train", train_data), ("val", val_data)]:
+        if len(split_data) == 0:
+            die(f"the {split} split of {data_dir} has no {task} samples of seq_len {cfg.train.seq_len} -> "
+                "prepare more text with preprocess.py, lower train.seq_len or raise data.val_fraction")
+    log0(f"data {data_dir}: {task} samples train {len(train_data):,} val {len(val_data):,} "
+         f"({meta['splits']['train']['tokens']:,} train tokens)")
+
+    # ------------------------------------------------------------------------- 4. model
+    padded_vocab_size = math.ceil(meta["vocab_size"] / 64) * 64  # as nanoGPT does: matmul-friendly sizes
+    torch.manual_seed(cfg.train.seed)  # the same initial weights on every rank
+    # Only rank 0 builds the whole model, in CPU memory: new weights from the seed, or the pretrained ones.
+    # Every rank builds it again on the meta device (shapes, no memory), shards it and fills its shards from
+    # rank 0's: the model never has to fit on one GPU, and its first weights are the same on any world size.
+    source_model = on_rank0(lambda: build_model(cfg, task, padded_vocab_size, special, device)[0], share_result=False)
+    with torch.device("meta"):
+        raw_model, attention = build_model(cfg, task, padded_vocab_size, special, device, shapes_only=True)
+    use_compile = cfg.train.compile == "true" or (cfg.train.compile == "auto" and use_cuda)
+    shard_model(raw_model, source_model, cfg, autocast_dtype, use_compile, device)
+    del source_model
+    parameters_per_rank = [None] * world_size
+    dist.all_gather_object(parameters_per_rank, sum(p.to_local().numel() for p in raw_model.parameters()))
+    # model FLOPs per token, PaLM's formula (Chowdhery et al. 2022, app. B): 6N for the matmuls forward and
+    # backward, plus attention's 12 x layers x width x sequence length
+    attention_flops = 12 * raw_model.config.num_hidden_layers * raw_model.config.hidden_size * cfg.train.seq_len
+    flops_per_token = 6 * count_matmul_params(raw_model) + attention_flops
+    log0(f"model {raw_model.config.model_type} ({task}), {sum(p.numel() for p in raw_model.parameters()) / 1e6:.1f}M "
+         f"parameters, attention {attention}, vocab {meta['vocab_size']} padded to {padded_vocab_size}")
+    log0(f"sharded over {world_size} ranks (reshard_after_forward={cfg.fsdp.reshard_after_forward}, activation "
+         f"checkpointing {cfg.fsdp.activation_checkpointing}, CPU offload {cfg.fsdp.cpu_offload}): "
+         f"parameters per rank {parameters_per_rank}")
+    # dropout differs per rank on purpose (different data); seeded from (seed, rank) so a run is repeatable
+    torch.manual_seed(int(np.random.SeedSequence([cfg.train.seed, rank]).generate_state(1)[0]))
+
+    # ------------------------------------------------------------------------- 5. optimizer
+    decay = [p for p in raw_model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in raw_model.parameters() if p.requires_grad and p.dim() < 2]  # biases, norm weights
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps,
+        fused=use_cuda,  # the whole update in one multi-tensor kernel; the default (foreach) runs one per operation
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg))
+    scaler = torch.amp.GradScaler(device.type, enabled=False)  # fp16 is refused above: kept so the loop reads as DDP's
+
+    # ------------------------------------------------------------------------- 6. checkpoint
+    ckpt_dir = Path(cfg.checkpoint.dir)
+    # Rank 0 alone picks the checkpoint: ranks that list the directory themselves can see different files
+    # (network filesystems cache directory listings) and would then train different weights, silently.
+    resume_dir = on_rank0(find_resume_checkpoint, ckpt_dir, cfg.checkpoint.resume)
+    step, samples_seen, tokens_seen = 0, 0, 0
+    if resume_dir is not None:
+        train_state = on_all_ranks(load_train_state, resume_dir, scheduler, scaler, cfg)
+        load_weights(resume_dir, raw_model, optimizer)  # collective: DCP raises on every rank alike
+        step, samples_seen, tokens_seen = train_state["step"], train_state["samples_seen"], train_state["tokens_seen"]
+        restore_rng(train_state["rng"], rank, cfg.train.seed, step)
+        if train_state.get("data_fingerprint") != meta.get("fingerprint"):
+            log0(f"warning: {data_dir} was rebuilt since {resume_dir} was written; the data position may not match")
+        log0(f"resumed from {resume_dir}: step {step}, {samples_seen:,} samples, {tokens_seen:,} tokens seen")
+
+    # ------------------------------------------------------------------------- 7. training loop
+    model = raw_model  # sharded in place by fully_shard, its blocks compiled there (section 4)
+    # dcp.async_save writes in a background thread and needs a process group with a CPU backend
+    async_group = dist.new_group(backend="gloo") if cfg.checkpoint.async_save else None
+    checkpoint_in_flight = None  # an async checkpoint still being written: published before the next one
+    out_dir = Path(cfg.out_dir)
+    metrics_file = None
+    if rank == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        metrics_file = open(out_dir / "metrics.jsonl", "a")  # append: a resumed run continues the same file
+        metrics_file.write(json.dumps({"kind": "start", "step": step, "world_size": world_size, "time": time.time()}) + "\n")
+    peak_flops = peak_flops_per_gpu(device, cfg.log.peak_tflops)
+    if step == 0:
+        val_loss = evaluate(model, val_data, cfg, world_size, rank, device, autocast)
+        log0(f"step 0 | val loss {val_loss:.4f}")
+        write_metrics(metrics_file, {"kind": "val", "step": 0, "val_loss": val_loss})
+
+    model.train()
+    interval_loss_sum = torch.zeros((), device=device, dtype=torch.float64)  # this rank's, stays on the GPU
+    interval_steps, interval_input_tokens, interval_label_tokens = 0, 0, 0
+    interval_start, paused_s = time.perf_counter(), 0.0
+    while step < cfg.train.max_steps:
+        micro_batches, step_input_tokens, step_label_tokens = rank_batches(
+            train_data, samples_seen, cfg.train.seed, cfg, world_size, rank, device)
+        # The step's gradient must be that of the mean loss over every label token of the global batch, however
+        # the batch is split into ranks and micro-batches. The common recipe (the mean of each micro-batch,
+        # divided by the number of micro-batches) over-weights tokens of short micro-batches. So each micro-batch
+        # contributes sum(loss) / (label tokens of the whole global batch), a count every rank makes on the host
+        # from the shared batch plan: no communication, no wait for the GPU. The gradient reduction then
+        # averages over ranks; the factor world_size undoes that mean.
+        loss_scale = world_size / max(1, step_label_tokens)
+        for index, batch in enumerate(micro_batches):
+            is_last = index == len(micro_batches) - 1
+            # accumulate unsharded gradients locally (memory: a full gradient per rank until the last micro-batch);
+            # only the last backward reduce-scatters, overlapped with compute
+            raw_model.set_requires_gradient_sync(is_last)
+            with autocast:
+                logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            loss_sum = token_loss_sum(logits, batch["labels"])
+            scaler.scale(loss_sum * loss_scale).backward()
+            interval_loss_sum += loss_sum.detach()
+        scaler.unscale_(optimizer)  # clip the true gradient, not the fp16-scaled one
+        # the norm over all shards (a DTensor); full_tensor() gives every rank the same plain tensor
+        grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.optim.grad_clip or float("inf")).full_tensor()
+        scaler.step(optimizer)  # fp16 only: it reads the inf/NaN check on the host, one wait for the GPU
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        step_lr = scheduler.get_last_lr()[0]  # the rate this step used: after scheduler.step() it is the next one's
+        scheduler.step()
+        step += 1
+        samples_seen += cfg.train.global_batch_size
+        tokens_seen += step_input_tokens
+        interval_steps += 1
+        interval_input_tokens += step_input_tokens
+        interval_label_tokens += step_label_tokens
+
+        if step % cfg.log.every == 0 or step == cfg.train.max_steps:
+            dist.all_reduce(interval_loss_sum)
+            loss = interval_loss_sum.item() / max(1, interval_label_tokens)  # waits for the GPU: the clock below
+            elapsed = time.perf_counter() - interval_start - paused_s  # then counts finished work only
+            tokens_per_sec = interval_input_tokens / elapsed
+            record = {
+                "kind": "train", "step": step, "loss": loss, "grad_norm": grad_norm.item(), "lr": step_lr,
+                "tokens_per_sec": tokens_per_sec, "tokens_seen": tokens_seen,
+                "eta_s": elapsed / interval_steps * (cfg.train.max_steps - step),
+            }
+            line = (f"step {step}/{cfg.train.max_steps} | loss {loss:.4f} | lr {step_lr:.2e} | "
+                    f"grad {record['grad_norm']:.3f} | {tokens_per_sec / 1e3:.1f}k tok/s")
+            if peak_flops:
+                record["mfu"] = flops_per_token * tokens_per_sec / (peak_flops * world_size)
+                line += f" | MFU {100 * record['mfu']:.1f}%"
+            if use_cuda:
+                gib = 2**30
+                record["mem_alloc_gib"] = torch.cuda.memory_allocated() / gib
+                record["mem_reserved_gib"] = torch.cuda.memory_reserved() / gib
+                record["mem_peak_gib"] = torch.cuda.max_memory_allocated() / gib
+                line += (f" | mem {record['mem_alloc_gib']:.1f}/{record['mem_reserved_gib']:.1f}/"
+                         f"{record['mem_peak_gib']:.1f} GiB alloc/res/peak")
+            log0(line + f" | ETA {format_seconds(record['eta_s'])}")
+            write_metrics(metrics_file, record)
+            interval_loss_sum.zero_()
+            interval_steps, interval_input_tokens, interval_label_tokens = 0, 0, 0
+            interval_start, paused_s = time.perf_counter(), 0.0
+
+        evaluate_now = step % cfg.train.eval_every == 0 or step == cfg.train.max_steps
+        save_now = cfg.checkpoint.every > 0 and (step % cfg.checkpoint.every == 0 or step == cfg.train.max_steps)
+        if evaluate_now or save_now:  # validation and checkpoints are not training throughput
+            if use_cuda:
+                torch.cuda.synchronize()  # the step's own GPU work counts as training time, not as the pause
+            pause_start = time.perf_counter()
+            if evaluate_now:
+                val_loss = evaluate(model, val_data, cfg, world_size, rank, device, autocast)
+                log0(f"step {step} | val loss {val_loss:.4f}")
+                write_metrics(metrics_file, {"kind": "val", "step": step, "val_loss": val_loss})
+            if save_now:
+                rng_states = [None] * world_size
+                dist.all_gather_object(rng_states, rng_state(use_cuda))
+                train_state = {
+                    "step": step, "samples_seen": samples_seen, "tokens_seen": tokens_seen, "rng": rng_states,
+                    "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(), "config": config_dict(cfg),
+                    "data_fingerprint": meta.get("fingerprint"), "world_size": world_size,
+                }
+                if checkpoint_in_flight:
+                    finish_checkpoint(checkpoint_in_flight, ckpt_dir, cfg.checkpoint.keep)
+                checkpoint_in_flight = start_checkpoint(ckpt_dir, step, raw_model, optimizer, train_state, async_group)
+                if async_group is None:
+                    finish_checkpoint(checkpoint_in_flight, ckpt_dir, cfg.checkpoint.keep)
+                    checkpoint_in_flight = None
+            paused_s += time.perf_counter() - pause_start
+
+    if checkpoint_in_flight:
+        finish_checkpoint(checkpoint_in_flight, ckpt_dir, cfg.checkpoint.keep)
+    if cfg.export:  # every rank sends its shards; only rank 0 holds the whole model, in CPU memory
+        full_model = gather_full_model(raw_model, cfg, task, padded_vocab_size, special, device)
+    if rank == 0:
+        if cfg.export:
+            export_final(full_model, data_dir, meta, out_dir / "final", task, cfg, torch.device("cpu"))
+        metrics_file.close()
+    dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- 1. config (helpers)
+
+CHOICES = {
+    "model.task": ["auto", "causal", "mlm"],
+    "model.attention": ["auto", "flash_attention_2", "sdpa", "eager"],
+    "train.precision": ["auto", "bf16", "fp16", "fp32"],
+    "train.compile": ["auto", "true", "false"],
+    "dist.backend": ["auto", "nccl", "gloo"],
+}
+
+# What each number may be. A value of the right type can still train wrongly and exit 0: grad_clip=-1 flips
+# every gradient (clip_grad_norm_ multiplies by max_norm / norm), warmup_steps=-5 starts with a negative rate.
+RANGES = {
+    "model.n_layer": (lambda v: v >= 1, "of at least 1"),
+    "model.n_head": (lambda v: v >= 1, "of at least 1"),
+    "model.n_embd": (lambda v: v >= 1, "of at least 1"),
+    "model.dropout": (lambda v: 0 <= v < 1, "from 0 up to (not including) 1"),
+    "train.seq_len": (lambda v: v >= 3, "of at least 3 (a masked LM sample is [CLS] token [SEP])"),
+    "train.global_batch_size": (lambda v: v >= 1, "of at least 1"),
+    "train.micro_batch_size": (lambda v: v >= 1, "of at least 1"),
+    "train.max_steps": (lambda v: v >= 1, "of at least 1"),
+    "train.eval_every": (lambda v: v >= 1, "of at least 1"),
+    "train.eval_batches": (lambda v: v >= 1, "of at least 1"),
+    "train.mlm_probability": (lambda v: 0 < v < 1, "between 0 and 1"),
+    "optim.lr": (lambda v: v > 0, "above 0"),
+    "optim.min_lr": (lambda v: v >= 0, "of at least 0"),
+    "optim.warmup_steps": (lambda v: v >= 0, "of at least 0"),
+    "optim.weight_decay": (lambda v: v >= 0, "of at least 0"),
+    "optim.beta1": (lambda v: 0 <= v < 1, "from 0 up to (not including) 1"),
+    "optim.beta2": (lambda v: 0 <= v < 1, "from 0 up to (not including) 1"),
+    "optim.eps": (lambda v: v > 0, "above 0"),
+    "optim.grad_clip": (lambda v: v >= 0, "of at least 0 (0 = no clipping)"),
+    "checkpoint.every": (lambda v: v >= 0, "of at least 0 (0 = no checkpoints)"),
+    "checkpoint.keep": (lambda v: v >= 1, "of at least 1"),
+    "log.every": (lambda v: v >= 1, "of at least 1"),
+    "log.sample_tokens": (lambda v: v >= 0, "of at least 0"),
+    "log.peak_tflops": (lambda v: v >= 0, "of at least 0 (0 = look the GPU up)"),
+    "dist.timeout_s": (lambda v: v > 0, "above 0"),
+}
+
+
+def flatten(tree, prefix=""):
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and key != "cpu_preset":
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[prefix + key] = value
+    return flat
+
+
+class ConfigLoader(yaml.SafeLoader):
+    """YAML that reads 3e-4 as a float: PyYAML follows YAML 1.1, where a float needs a dot, so a
+    learning rate written 3e-4 would silently become the string '3e-4'."""
+
+
+ConfigLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$|^[-+]?(?:[0-9][0-9_]*)?\.[0-9_]+(?:[eE][-+]?[0-9]+)?$"),
+    list("-+0123456789."),
+)
+
+
+def parse_value(key, text, default):
+    """Give an override the type of its default: a typo such as lr=3e-4x fails here, not at step 1000."""
+    if isinstance(default, str):
+        value = text
+    else:
+        try:
+            value = yaml.load(text, Loader=ConfigLoader)
+        except yaml.YAMLError:
+            value = text
+        if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if type(value) is not type(default):
+            die(f"{key}={text} is not a {type(default).__name__} -> give a value like {key}={default}")
+    if key in CHOICES and value not in CHOICES[key]:
+        die(f"{key}={text} is not one of {'|'.join(CHOICES[key])} -> pick one of those")
+    return value
+
+
+def load_config(args, use_cuda):
+    """config.yaml, then the CPU preset when there is no GPU, then the command line's key=value."""
+    config_path = Path(__file__).with_name("config.yaml")
+    if args and args[0].endswith((".yaml", ".yml")):
+        config_path, args = Path(args[0]), args[1:]
+    if not config_path.is_file():
+        die(f"config file {config_path} not found -> pass the path of a config.yaml as first argument")
+    try:
+        tree = yaml.load(config_path.read_text(), Loader=ConfigLoader)
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "somewhere"
+        die(f"{config_path} is not valid YAML at {where} ({getattr(error, 'problem', None) or error}) -> fix that line")
+    if not isinstance(tree, dict):
+        die(f"{config_path} does not hold `key: value` sections -> start again from the config.yaml of this repository")
+    flat = flatten(tree)
+    cpu_preset = flat.pop("cpu_preset", None) or {}
+    overrides = {}
+    if not use_cuda:
+        overrides.update({key: str(value) for key, value in cpu_preset.items()})
+    for arg in args:
+        key, sep, text = arg.partition("=")
+        if not sep:
+            die(f"argument '{arg}' is not key=value -> write it like train.max_steps=100")
+        overrides[key] = text
+    for key, text in overrides.items():
+        if key not in flat:
+            nearest = difflib.get_close_matches(key, flat, n=1, cutoff=0.0)
+            die(f"unknown config key '{key}' -> did you mean '{nearest[0]}'?")
+        flat[key] = parse_value(key, text, flat[key])
+    tree = {}
+    for key, value in flat.items():
+        *sections, name = key.split(".")
+        node = tree
+        for section in sections:
+            node = node.setdefault(section, {})
+        node[name] = value
+    return SimpleNamespace(**{k: SimpleNamespace(**v) if isinstance(v, dict) else v for k, v in tree.items()})
+
+
+def config_dict(cfg):
+    """The config as flat `section.key: value` pairs: what a checkpoint stores and --check prints."""
+    return flatten({key: vars(value) if isinstance(value, SimpleNamespace) else value for key, value in vars(cfg).items()})
+
+
+def check_config(cfg, world_size):
+    """Every number in its range and a global batch that splits evenly; returns micro-batches per step."""
+    values = config_dict(cfg)
+    for key, (is_valid, allowed) in RANGES.items():
+        value = values.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            die(f"{key}={value} in the config file is not a number -> give it a value {allowed}")
+        if not is_valid(value):
+            die(f"{key}={value} is out of range -> give it a value {allowed}")
+    if cfg.optim.min_lr > cfg.optim.lr:
+        die(f"optim.min_lr={cfg.optim.min_lr} is above optim.lr={cfg.optim.lr} -> the decay ends at min_lr: lower it")
+    sequences_per_round = cfg.train.micro_batch_size * world_size
+    if cfg.train.global_batch_size % sequences_per_round:
+        nearest = max(1, round(cfg.train.global_batch_size / sequences_per_round)) * sequences_per_round
+        die(f"train.global_batch_size={cfg.train.global_batch_size} is not a multiple of train.micro_batch_size "
+            f"x world size = {cfg.train.micro_batch_size} x {world_size} -> use e.g. train.global_batch_size={nearest}")
+    return cfg.train.global_batch_size // sequences_per_round
+
+
+# ----------------------------------------------------------------------------- 2. distributed init (helpers)
+
+def choose_precision(requested, device):
+    if requested == "fp16" and device.type != "cuda":
+        die("train.precision=fp16 needs a CUDA GPU (GradScaler) -> use train.precision=fp32 or bf16 on CPU")
+    if requested != "auto":
+        return requested
+    if device.type != "cuda":
+        return "fp32"
+    # Not torch.cuda.is_bf16_supported(): it also says True on V100 and T4 (bf16 emulated, no bf16 tensor
+    # cores), so fp16 with its GradScaler would never run where it is needed. bf16 tensor cores start with
+    # compute capability 8.0 (Ampere).
+    return "bf16" if torch.cuda.get_device_capability(device) >= (8, 0) else "fp16"
+
+
+def on_rank0(function, *args, share_result=True):
+    """Run `function` on rank 0 alone and hand its result to every rank (share_result=False: only rank 0
+    gets it, the others None); if it fails, every rank stops with its message (a failure on rank 0 alone
+    would leave the others waiting in their next collective until the timeout)."""
+    result, outcome = None, [None, None]
+    if dist.get_rank() == 0:
+        try:
+            result = function(*args)
+        except UserError as error:
+            outcome[1] = str(error)
+        outcome[0] = result if share_result else None
+    dist.broadcast_object_list(outcome, src=0)
+    if outcome[1]:
+        die(outcome[1])
+    return result if dist.get_rank() == 0 else outcome[0]
+
+
+def on_all_ranks(function, *args):
+    """Run `function` on every rank; if it fails on any rank, every rank stops, and rank 0 prints that rank's
+    message (a file only one node cannot read would otherwise be reported by nobody)."""
+    result, error = None, None
+    try:
+        result = function(*args)
+    except UserError as failure:
+        error = str(failure)
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    failed = [(failed_rank, message) for failed_rank, message in enumerate(errors) if message]
+    if failed:
+        failed_rank, message = failed[0]
+        die(message if dist.get_world_size() == 1 else f"rank {failed_rank}: {message}")
+    return result
+
+
+# ----------------------------------------------------------------------------- 3. data (helpers)
+
+def read_meta(data_dir):
+    meta_path = data_dir / "meta.json"
+    if not meta_path.is_file():
+        die(f"no prepared data in {data_dir} (meta.json missing) -> run: python preprocess.py --out {data_dir}")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        die(f"{meta_path} is unreadable ({error}) -> rebuild it: python preprocess.py --out {data_dir} --force")
+    if not isinstance(meta, dict) or meta.get("format_version") != 1:
+        version = meta.get("format_version") if isinstance(meta, dict) else None
+        die(f"{meta_path} has format version {version}, this trainer reads 1 -> rebuild with --force")
+    return meta
+
+
+class ArrowTokens:
+    """Samples of one split, read straight from memory-mapped Arrow files: the tokens are never copied into
+    memory as a whole (the epoch permutation, though, holds 8 bytes per sample on every rank).
+
+    Causal LM: every row already ends with end-of-text, so the column's flat values are the
+    concatenated token stream; sample i is the block stream[i*L : i*L + L + 1] (inputs and shifted labels).
+    Masked LM: sample i is document i, truncated to L - 2 and framed as [CLS] doc [SEP].
+    """
+
+    def __init__(self, data_dir, meta, split, task, seq_len, special):
+        self.task, self.seq_len, self.special, self.vocab_size = task, seq_len, special, meta["vocab_size"]
+        self.pieces, self.piece_starts, self.doc_offsets = [], [], []
+        stream_length = 0
+        for name in meta["splits"][split]["files"]:
+            try:
+                table = pa.ipc.open_file(pa.memory_map(str(data_dir / name))).read_all()
+            except (OSError, pa.ArrowInvalid) as error:
+                die(f"cannot read {data_dir / name} ({error}) -> rebuild: python preprocess.py --out {data_dir} --force")
+            for chunk in table.column("input_ids").chunks:
+                if len(chunk) == 0:
+                    continue
+                self.pieces.append(chunk.values.to_numpy(zero_copy_only=True))
+                self.doc_offsets.append(chunk.offsets.to_numpy())
+                self.piece_starts.append(stream_length)
+                stream_length += len(self.pieces[-1])
+        self.doc_starts = np.cumsum([0] + [len(offsets) - 1 for offsets in self.doc_offsets])
+        self.num_samples = (max(0, stream_length - 1) // seq_len) if task == "causal" else int(self.doc_starts[-1])
+
+    def __len__(self):
+        return self.num_samples
+
+    def span(self, start, length):
+        """length tokens of the stream from start, crossing shard boundaries if needed."""
+        out = np.empty(length, dtype=np.int64)
+        filled = 0
+        piece = int(np.searchsorted(self.piece_starts, start, side="right")) - 1
+        while filled < length:
+            offset = start + filled - self.piece_starts[piece]
+            taken = self.pieces[piece][offset:offset + length - filled]
+            out[filled:filled + len(taken)] = taken
+            filled += len(taken)
+            piece += 1
+        return out
+
+    def document(self, index):  # MLM
+        piece = int(np.searchsorted(self.doc_starts, index, side="right")) - 1
+        row = index - self.doc_starts[piece]
+        begin, end = self.doc_offsets[piece][row], self.doc_offsets[piece][row + 1] - 1  # drop end-of-text
+        return self.pieces[piece][begin:min(end, begin + self.seq_len - 2)]
+
+    def length(self, index):
+        """Input tokens of sample `index`, without reading its tokens."""
+        if self.task == "causal":
+            return self.seq_len
+        piece = int(np.searchsorted(self.doc_starts, index, side="right")) - 1  # MLM
+        row = index - self.doc_starts[piece]  # MLM
+        return min(int(self.doc_offsets[piece][row + 1] - self.doc_offsets[piece][row]) - 1, self.seq_len - 2) + 2  # MLM
+
+    def sample(self, index):
+        if self.task == "causal":
+            return self.span(index * self.seq_len, self.seq_len + 1)
+        doc = self.document(index).astype(np.int64)  # MLM
+        return np.concatenate([[self.special["cls"]], doc, [self.special["sep"]]])  # MLM
+
+
+_permutation_cache = {}
+
+
+def epoch_permutation(seed, epoch, num_samples):
+    """The sample order of one epoch: a function of (seed, epoch) only, never of rank or world size."""
+    key = (seed, epoch, num_samples)
+    if key not in _permutation_cache:
+        _permutation_cache.clear()  # keep one epoch; a batch spanning two epochs recomputes the previous
+        _permutation_cache[key] = np.random.default_rng([seed, epoch]).permutation(num_samples)
+    return _permutation_cache[key]
+
+
+def global_batch_plan(position, global_batch_size, num_samples, seed, micro_batch_size, world_size, length_of=None):
+    """Split the global batch that starts at `position` (samples consumed so far, over all epochs)
+    into micro-batches: returns plan[rank] = [(sample_ids, epochs), ...] in accumulation order.
+
+    The position counts global samples, so a run resumed on a different number of ranks continues
+    with exactly the samples the old run would have seen. seed=None reads samples in order
+    (validation). With length_of (masked LM), the batch is sorted by length before it is cut into
+    micro-batches, so each one pads little; micro-batches are dealt round-robin so every rank gets
+    a mix of short and long ones.
+    """
+    positions = np.arange(position, position + global_batch_size)
+    epochs, indices = np.divmod(positions, num_samples)
+    if seed is None:
+        sample_ids = indices
+    else:
+        sample_ids = np.array([epoch_permutation(seed, e, num_samples)[i] for e, i in zip(epochs, indices)])
+    if length_of is not None:  # MLM
+        order = sorted(range(global_batch_size), key=lambda k: (length_of(sample_ids[k]), k))  # MLM
+        sample_ids, epochs = sample_ids[order], epochs[order]  # MLM
+    plan = [[] for _ in range(world_size)]
+    for micro_index in range(global_batch_size // micro_batch_size):
+        chosen = slice(micro_index * micro_batch_size, (micro_index + 1) * micro_batch_size)
+        plan[micro_index % world_size].append((sample_ids[chosen], epochs[chosen]))
+    return plan
+
+
+def rank_batches(split_data, position, shuffle_seed, cfg, world_size, rank, device):
+    """This rank's micro-batches of the global batch that starts at sample `position`, and the input and
+    label token counts of the whole global batch, which every rank computes alike from the shared plan."""
+    is_mlm = split_data.task == "mlm"
+    plan = global_batch_plan(position, cfg.train.global_batch_size, len(split_data), shuffle_seed,
+                             cfg.train.micro_batch_size, world_size, split_data.length if is_mlm else None)
+    every_sample = [(int(i), int(e)) for rank_plan in plan for ids, epochs in rank_plan for i, e in zip(ids, epochs)]
+    input_tokens = sum(split_data.length(i) for i, _ in every_sample)
+    label_tokens = len(every_sample) * split_data.seq_len  # causal LM: every position is predicted
+    if is_mlm:  # MLM: the masked positions, drawn exactly as make_micro_batch will draw them
+        label_tokens = sum(len(choose_masked(cfg.train.seed, e, i, split_data.length(i), cfg.train.mlm_probability)[1])
+                           for i, e in every_sample)
+    micro_batches = [make_micro_batch(split_data, ids, epochs, cfg, split_data.special, device)
+                     for ids, epochs in plan[rank]]
+    return micro_batches, input_tokens, label_tokens
+
+
+def choose_masked(seed, epoch, sample_id, length, probability):  # MLM
+    """The positions BERT masks in one sample: a function of (seed, epoch, sample id) only, so the result does
+    not depend on the rank or micro-batch that happens to process the sample. Returns the generator too."""
+    rng = np.random.default_rng([seed, epoch, sample_id])
+    candidates = np.arange(1, length - 1)  # never [CLS] / [SEP]
+    return rng, candidates[rng.random(len(candidates)) < probability]
+
+
+def mask_tokens(tokens, seed, epoch, sample_id, special, vocab_size, probability):  # MLM
+    rng, chosen = choose_masked(seed, epoch, sample_id, len(tokens), probability)
+    inputs, labels = tokens.copy(), np.full_like(tokens, IGNORE_INDEX)
+    labels[chosen] = tokens[chosen]
+    action = rng.random(len(chosen))
+    inputs[chosen[action < 0.8]] = special["mask"]  # 80% [MASK]
+    random_positions = chosen[(action >= 0.8) & (action < 0.9)]  # 10% a random token, 10% unchanged
+    inputs[random_positions] = rng.integers(0, vocab_size, len(random_positions))
+    return inputs, labels
+
+
+def make_micro_batch(split_data, sample_ids, epochs, cfg, special, device):
+    samples = [split_data.sample(int(i)) for i in sample_ids]
+    if split_data.task == "causal":
+        blocks = torch.from_numpy(np.stack(samples))
+        input_ids, labels, attention_mask = blocks[:, :-1], blocks[:, 1:], None
+    else:  # MLM, dynamic padding: pad to the longest sample of this micro-batch, not to seq_len
+        longest = max(len(s) for s in samples)
+        input_ids = torch.full((len(samples), longest), special["pad"], dtype=torch.long)
+        labels = torch.full((len(samples), longest), IGNORE_INDEX, dtype=torch.long)
+        attention_mask = torch.zeros((len(samples), longest), dtype=torch.long)
+        for row, (tokens, sample_id, epoch) in enumerate(zip(samples, sample_ids, epochs)):
+            masked, target = mask_tokens(tokens, cfg.train.seed, int(epoch), int(sample_id), special,
+                                         split_data.vocab_size, cfg.train.mlm_probability)
+            input_ids[row, :len(tokens)] = torch.from_numpy(masked)
+            labels[row, :len(tokens)] = torch.from_numpy(target)
+            attention_mask[row, :len(tokens)] = 1
+    batch = {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
+    if device.type == "cuda":  # a copy from pageable memory makes the host wait for the GPU; from pinned it does not
+        batch = {key: value.pin_memory().to(device, non_blocking=True) if value is not None else None
+                 for key, value in batch.items()}
+    return batch
+
+
+def token_loss_sum(logits, labels):
+    """Summed (not mean) cross-entropy, in fp32: the caller decides what to divide by."""
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+# ----------------------------------------------------------------------------- 4. model (helpers)
+
+def is_masked_lm_type(cfg):
+    model_type = cfg.model.type
+    if cfg.model.pretrained:
+        model_type = load_pretrained_config(cfg.model.pretrained).model_type
+    return model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+
+def load_pretrained_config(path):
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=True)  # no hub download: offline machines
+    except (OSError, ValueError) as error:
+        die(f"cannot read a transformers config from model.pretrained={path} ({first_line(error)}) "
+            "-> give a local directory holding config.json and the weights")
+
+
+def build_model(cfg, task, padded_vocab_size, special, device, shapes_only=False):
+    """A new model from a transformers config, or a local pretrained one; fp32 master weights.
+    shapes_only: the modules without loading pretrained weights (under torch.device("meta"): no memory)."""
+    attention = choose_attention(cfg.model.attention, device)
+    if cfg.model.pretrained:
+        config = load_pretrained_config(cfg.model.pretrained)
+        if getattr(config, "max_position_embeddings", cfg.train.seq_len) < cfg.train.seq_len:
+            die(f"{cfg.model.pretrained} knows {config.max_position_embeddings} positions, "
+                f"train.seq_len is {cfg.train.seq_len} -> lower train.seq_len")
+    else:
+        if cfg.model.n_embd % cfg.model.n_head:
+            die(f"model.n_embd={cfg.model.n_embd} is not divisible by model.n_head={cfg.model.n_head} "
+                "-> change one of them")
+        try:
+            config = AutoConfig.for_model(
+                cfg.model.type, vocab_size=padded_vocab_size, hidden_size=cfg.model.n_embd,
+                num_hidden_layers=cfg.model.n_layer, num_attention_heads=cfg.model.n_head,
+                max_position_embeddings=cfg.train.seq_len, pad_token_id=special["pad"],
+                bos_token_id=special["eot"], eos_token_id=special["eot"],
+            )
+        except ValueError as error:
+            die(f"model.type={cfg.model.type} is not a transformers model type ({first_line(error)}) "
+                "-> use e.g. gpt2, llama, bert or roberta")
+        if hasattr(config, "intermediate_size"):  # models that have one default to their own, much larger size
+            config.intermediate_size = 4 * cfg.model.n_embd
+        if hasattr(config, "num_key_value_heads"):
+            config.num_key_value_heads = cfg.model.n_head
+    for name, value in config.to_dict().items():
+        if ("dropout" in name or "pdrop" in name) and isinstance(value, float):
+            setattr(config, name, cfg.model.dropout)
+    model_class = AutoModelForMaskedLM if task == "mlm" else AutoModelForCausalLM
+    if shapes_only:  # rank 0 gives a pretrained model with a smaller vocabulary padded_vocab_size rows
+        config.vocab_size = max(config.vocab_size, padded_vocab_size)
+    if not cfg.model.pretrained or shapes_only:
+        return model_class.from_config(config, attn_implementation=attention, dtype=torch.float32), attention
+    try:
+        model = model_class.from_pretrained(cfg.model.pretrained, config=config, dtype=torch.float32,
+                                            attn_implementation=attention, local_files_only=True)
+    except (OSError, ValueError) as error:
+        die(f"cannot load model.pretrained={cfg.model.pretrained} ({first_line(error)}) "
+            "-> give a directory written by save_pretrained")
+    if model.get_input_embeddings().num_embeddings < padded_vocab_size:
+        model.resize_token_embeddings(padded_vocab_size)  # the tokenizer has more tokens than the model
+    return model, attention
+
+
+def shard_model(raw_model, source_model, cfg, param_dtype, use_compile, device):
+    """fully_shard each transformer block, then the root (what is left: embeddings, final norm, output layer);
+    then fill the shards from rank 0's source_model."""
+    if cfg.fsdp.activation_checkpointing:  # before compile and sharding, as torchtitan orders them
+        raw_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    # transformers lists each model's blocks in _no_split_modules (modules that must stay on one device), so
+    # any transformers model is sharded block by block without a hand-written list. A block holding the input
+    # embedding stays in the root: a tied output layer shares its weight, and one weight cannot belong to two
+    # FSDP units.
+    block_names = set(raw_model._no_split_modules or [])
+    embedding = raw_model.get_input_embeddings()
+    blocks = [module for module in raw_model.modules() if type(module).__name__ in block_names
+              and not any(inner is embedding for inner in module.modules())]
+    if not blocks:
+        die(f"found no blocks to shard in {type(raw_model).__name__} (its _no_split_modules: {block_names}) "
+            "-> use a transformers model that lists its layers in _no_split_modules, or train_ddp.py")
+    # bf16 weights for compute (half the all-gather traffic), gradients reduced and kept in fp32
+    mixed_precision = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if cfg.fsdp.cpu_offload else OffloadPolicy()
+    for block in blocks:
+        if use_compile:
+            block.compile()  # per block: FSDP's hooks at block boundaries would break a whole-model graph anyway
+        fully_shard(block, reshard_after_forward=cfg.fsdp.reshard_after_forward, mp_policy=mixed_precision,
+                    offload_policy=offload)
+    fully_shard(raw_model, reshard_after_forward=cfg.fsdp.reshard_after_forward, mp_policy=mixed_precision,
+                offload_policy=offload)
+    raw_model.to_empty(device="cpu" if cfg.fsdp.cpu_offload else device)  # memory for this rank's shards only
+    full_state = source_model.state_dict() if source_model is not None else {}
+    set_model_state_dict(raw_model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    # Buffers are not sharded, and non-persistent ones (rotary frequencies, position ids) are in no state dict:
+    # to_empty left them uninitialised, so they come from rank 0's model too.
+    source_buffers = dict(source_model.named_buffers()) if source_model is not None else {}
+    for name, buffer in list(raw_model.named_buffers()):
+        value = source_buffers[name].to(device) if source_model is not None else torch.empty_like(buffer, device=device)
+        dist.broadcast(value, src=0)
+        owner, _, buffer_name = name.rpartition(".")
+        setattr(raw_model.get_submodule(owner), buffer_name, value)
+
+
+def choose_attention(requested, device):
+    # FlashAttention-2 runs on compute capability 8.0 and newer only (its README: Ampere, Ada, Hopper): on an
+    # older GPU where flash_attn imports, picking it would fail at the first forward pass
+    usable = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0) and flash_attn_available()
+    if requested == "auto":
+        return "flash_attention_2" if usable else "sdpa"
+    if requested == "flash_attention_2" and not usable:
+        die("model.attention=flash_attention_2 needs the flash_attn package and a GPU of compute capability 8.0 or "
+            "newer -> pip install flash-attn, or use model.attention=sdpa")
+    return requested
+
+
+def flash_attn_available():
+    try:
+        import flash_attn  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+def count_matmul_params(model):
+    """Parameters that are multiplied with every token: all but embedding lookups, plus the output
+    layer when it shares its weight with the input embedding (it is a matmul there)."""
+    total = sum(p.numel() for p in model.parameters())
+    embedding_weights = {id(m.weight): m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    output = model.get_output_embeddings()
+    tied_output = output.weight.numel() if output is not None and id(output.weight) in embedding_weights else 0
+    return total - sum(embedding_weights.values()) + tied_output
+
+
+# ----------------------------------------------------------------------------- 5. optimizer (helpers)
+
+def lr_factor(step, cfg):
+    """Linear warmup, then cosine decay to min_lr at max_steps (a multiplier of optim.lr)."""
+    if step < cfg.optim.warmup_steps:
+        return (step + 1) / cfg.optim.warmup_steps
+    progress = min(1.0, (step - cfg.optim.warmup_steps) / max(1, cfg.train.max_steps - cfg.optim.warmup_steps))
+    min_factor = cfg.optim.min_lr / cfg.optim.lr
+    return min_factor + (1 - min_factor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+# ----------------------------------------------------------------------------- 6. checkpoint (helpers)
+
+CHECKPOINT_FILES = [".metadata", "train_state.pt"]  # DCP writes .metadata last, after every rank's shards
+
+
+def is_complete(path):
+    return path.is_dir() and all((path / name).is_file() for name in CHECKPOINT_FILES)
+
+
+def step_of(path):
+    """The step number of a step_* directory: compared as numbers, since as strings step_999900 sorts after
+    step_1000000, and pruning would then delete the newest checkpoints."""
+    match = re.fullmatch(r"step_(\d+)", path.name)
+    return int(match.group(1)) if match else -1
+
+
+def complete_checkpoints(ckpt_dir):
+    """The complete step_* directories of ckpt_dir, oldest first."""
+    found = [p for p in ckpt_dir.glob("step_*") if step_of(p) >= 0 and is_complete(p)] if ckpt_dir.is_dir() else []
+    return sorted(found, key=step_of)
+
+
+def find_resume_checkpoint(ckpt_dir, resume):
+    """resume=auto: the newest complete checkpoint (the `latest` pointer, else a scan); never; or a path."""
+    existing = complete_checkpoints(ckpt_dir)
+    if resume == "never":
+        if existing:
+            die(f"{ckpt_dir} already holds checkpoints ({existing[-1].name}) and checkpoint.resume=never would overwrite "
+                "them -> continue with checkpoint.resume=auto or choose another checkpoint.dir")
+        return None
+    if resume == "auto":
+        pointer = ckpt_dir / "latest"
+        if pointer.is_file() and is_complete(ckpt_dir / pointer.read_text().strip()):
+            return ckpt_dir / pointer.read_text().strip()
+        return existing[-1] if existing else None
+    if not is_complete(Path(resume)):
+        die(f"checkpoint.resume={resume} is not a complete checkpoint directory (needs {', '.join(CHECKPOINT_FILES)}) "
+            f"-> give a step_* directory, auto or never")
+    newer = [p.name for p in existing if step_of(p) > step_of(Path(resume))]
+    if newer:  # this run's checkpoints would interleave with them, and pruning could delete this run's
+        die(f"{ckpt_dir} holds checkpoints newer than {resume} ({', '.join(newer)}) -> set checkpoint.dir to "
+            "another directory for this run")
+    return Path(resume)
+
+
+def fsync_dir(path):
+    """A rename or a new file is durable only once its directory is synced (POSIX fsync on the directory)."""
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def start_checkpoint(ckpt_dir, step, raw_model, optimizer, train_state, async_group):
+    """Every rank writes its shards of the model and optimizer into one temporary directory (DCP), rank 0
+    the train state; finish_checkpoint makes it a checkpoint. With async_group, the shards are copied to CPU
+    memory here and written by a background thread while training goes on."""
+    temporary = ckpt_dir / f".tmp-step_{step:06d}"  # the same name on every rank: they all write into it
+    on_rank0(write_train_state, temporary, train_state)
+    model_state, optimizer_state = get_state_dict(raw_model, optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    try:
+        if async_group is not None:
+            return dcp.async_save(state, checkpoint_id=temporary, process_group=async_group), temporary
+        dcp.save(state, checkpoint_id=temporary)
+    except CheckpointException as error:  # raised on every rank when any rank fails
+        die(f"cannot write checkpoint to {ckpt_dir} ({first_line(error)}) -> free disk space or set checkpoint.dir")
+    return None, temporary
+
+
+def write_train_state(temporary, train_state):
+    try:
+        if temporary.exists():  # a leftover of a crashed save
+            shutil.rmtree(temporary)
+        temporary.mkdir(parents=True)
+        with open(temporary / "train_state.pt", "wb") as file:
+            torch.save(train_state, file)
+            file.flush()
+            os.fsync(file.fileno())  # the rename in publish_checkpoint must not reach the disk before the data
+        (temporary / "config.yaml").write_text(yaml.safe_dump(train_state["config"], sort_keys=False))
+    except OSError as error:
+        die(f"cannot write checkpoint to {temporary.parent} ({error}) -> free disk space or set checkpoint.dir")
+
+
+def finish_checkpoint(saving, ckpt_dir, keep):
+    """Wait until every rank's shards are written, then rank 0 renames the directory into place."""
+    future, temporary = saving
+    if future is not None:
+        on_all_ranks(wait_for_write, future, ckpt_dir)
+    on_rank0(publish_checkpoint, temporary, ckpt_dir, keep)
+    log0(f"checkpoint {ckpt_dir / temporary.name.replace('.tmp-', '')} written")
+
+
+def wait_for_write(future, ckpt_dir):
+    try:
+        future.result()
+    except Exception as error:  # DCP's background thread re-raises whatever stopped it
+        die(f"cannot write checkpoint to {ckpt_dir} ({first_line(error)}) -> free disk space or set checkpoint.dir")
+
+
+def publish_checkpoint(temporary, ckpt_dir, keep):
+    """Rename: a crash mid-write never leaves a checkpoint that resume=auto would pick. The `latest` pointer
+    moves only after the rename; old ones go last. DCP fsyncs each file it writes (FileSystemWriter's
+    sync_files, on by default)."""
+    final = ckpt_dir / temporary.name.replace(".tmp-", "")
+    try:
+        fsync_dir(temporary)
+        if final.exists():  # only an incomplete leftover can be there: resume refuses dirs with newer checkpoints
+            shutil.rmtree(final)
+        os.rename(temporary, final)
+        pointer_temporary = ckpt_dir / f".latest-{os.getpid()}"
+        pointer_temporary.write_text(final.name)
+        os.replace(pointer_temporary, ckpt_dir / "latest")
+        fsync_dir(ckpt_dir)  # the new checkpoint and pointer are on disk before any old checkpoint goes
+        for old in complete_checkpoints(ckpt_dir)[:-keep]:
+            shutil.rmtree(old)
+    except OSError as error:
+        die(f"cannot write checkpoint to {ckpt_dir} ({error}) -> free disk space or set checkpoint.dir")
+
+
+def load_train_state(path, scheduler, scaler, cfg):
+    """Step, data position, RNG, schedule and grad scaler, after checking the model shape matches.
+    weights_only=True everywhere: a checkpoint is data, loading it must never run pickled code."""
+    try:
+        train_state = torch.load(path / "train_state.pt", weights_only=True)
+        saved_config, this_config = train_state["config"], config_dict(cfg)
+        for key in ["model.type", "model.task", "model.n_layer", "model.n_head", "model.n_embd", "model.pretrained"]:
+            if saved_config.get(key) != this_config[key]:
+                die(f"checkpoint {path} was trained with {key}={saved_config.get(key)}, this run has "
+                    f"{key}={this_config[key]} -> pass {key}={saved_config.get(key)}, or use another checkpoint.dir")
+        scheduler.load_state_dict(train_state["scheduler"])
+        scaler.load_state_dict(train_state["scaler"])
+    except (OSError, RuntimeError, KeyError, ValueError, EOFError, TypeError) as error:
+        die(f"cannot load checkpoint {path} ({first_line(error)}) -> "
+            "point checkpoint.resume at another step_* directory, or use a new checkpoint.dir")
+    return train_state
+
+
+def load_weights(path, raw_model, optimizer):
+    """Sharded model and optimizer state from a DCP checkpoint written on any number of ranks: each rank reads
+    the pieces its shards need. A collective: every rank must call it."""
+    model_state, optimizer_state = get_state_dict(raw_model, optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    try:
+        dcp.load(state, checkpoint_id=path)
+    except CheckpointException as error:  # raised on every rank when any rank fails
+        die(f"cannot load checkpoint {path} ({first_line(error)}) -> "
+            "point checkpoint.resume at another step_* directory, or use a new checkpoint.dir")
+    set_state_dict(raw_model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def rng_state(use_cuda):
+    state = {"torch": torch.get_rng_state()}
+    if use_cuda:
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def restore_rng(saved_states, rank, seed, step):
+    """Each rank continues its own dropout stream; ranks the old run did not have get a fresh seed."""
+    if rank < len(saved_states):
+        torch.set_rng_state(saved_states[rank]["torch"].cpu())
+        if "cuda" in saved_states[rank] and torch.cuda.is_available():
+            torch.cuda.set_rng_state(saved_states[rank]["cuda"].cpu())
+    else:
+        torch.manual_seed(int(np.random.SeedSequence([seed, rank, step]).generate_state(1)[0]))
+
+
+# ----------------------------------------------------------------------------- 7. training loop (helpers)
+
+def evaluate(model, val_data, cfg, world_size, rank, device, autocast):
+    """Mean loss per label token over the same validation batches every time, each rank computing its share.
+    Rank 0 alone would be world_size times slower, and would hang the others if the forward pass itself
+    communicates (DDP broadcasts buffers in forward when the model has any; FSDP all-gathers weights) or
+    outlasts dist.timeout_s."""
+    model.eval()
+    loss_sum, label_tokens = torch.zeros((), device=device, dtype=torch.float64), 0
+    with torch.no_grad():
+        for batch_index in range(cfg.train.eval_batches):
+            position = (batch_index * cfg.train.global_batch_size) % len(val_data)
+            micro_batches, _, batch_label_tokens = rank_batches(val_data, position, None, cfg, world_size, rank, device)
+            label_tokens += batch_label_tokens
+            for batch in micro_batches:
+                with autocast:
+                    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+                loss_sum += token_loss_sum(logits, batch["labels"])
+    dist.all_reduce(loss_sum)
+    model.train()
+    return loss_sum.item() / max(1, label_tokens)
+
+
+def write_metrics(metrics_file, record):
+    if metrics_file:
+        metrics_file.write(json.dumps(record) + "\n")
+        metrics_file.flush()
+
+
+# Dense bf16 tensor-core peak per GPU (no sparsity), TFLOP/s, from NVIDIA's datasheets, keyed by the exact name
+# torch.cuda.get_device_name() reports. Exact names only: a substring match reads "NVIDIA L40" as an L4 and
+# an H100 NVL as an SXM part. For any other GPU set log.peak_tflops.
+PEAK_BF16_TFLOPS = {
+    "NVIDIA H200": 989,  # the SXM part; our H200 machines report this name
+    "NVIDIA H100 80GB HBM3": 989,  # SXM5
+    "NVIDIA H100 PCIe": 756,
+    "NVIDIA A100-SXM4-80GB": 312,
+    "NVIDIA A100-SXM4-40GB": 312,
+    "NVIDIA A100 80GB PCIe": 312,
+    "NVIDIA A100-PCIE-40GB": 312,
+}
+
+
+def peak_flops_per_gpu(device, peak_tflops):
+    """FLOP/s that 100% MFU stands for, or None (no MFU shown) on CPU and unknown GPUs."""
+    if device.type != "cuda":
+        return None
+    if peak_tflops:
+        return peak_tflops * 1e12
+    name = torch.cuda.get_device_name(device)
+    if name not in PEAK_BF16_TFLOPS:
+        log0(f"note: no MFU: the bf16 peak of '{name}' is not in PEAK_BF16_TFLOPS -> set log.peak_tflops")
+        return None
+    return PEAK_BF16_TFLOPS[name] * 1e12
+
+
+def format_seconds(seconds):
+    minutes, seconds = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{seconds:02d}s"
+
+
+def gather_full_model(raw_model, cfg, task, padded_vocab_size, special, device):
+    """The whole trained model on rank 0, in CPU memory (None on the other ranks): every rank sends its shards
+    one tensor at a time, so no rank holds the full model on its GPU."""
+    full_state = get_model_state_dict(raw_model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() != 0:
+        return None
+    with torch.device("meta"):
+        full_model, _ = build_model(cfg, task, padded_vocab_size, special, device, shapes_only=True)
+    full_model.load_state_dict(full_state, assign=True)
+    full_model.tie_weights()  # assign=True gives the input embedding and a tied output layer separate tensors
+    for name, buffer in raw_model.named_buffers():  # non-persistent buffers are in no state dict
+        owner, _, buffer_name = name.rpartition(".")
+        setattr(full_model.get_submodule(owner), buffer_name, buffer.cpu())
+    return full_model
+
+
+def export_final(raw_model, data_dir, meta, final_dir, task, cfg, device):
+    """save_pretrained + the tokenizer: loadable with AutoModelFor...from_pretrained(final_dir)."""
+    transformers_logging.disable_progress_bar()  # a progress bar per one-file save is noise in a log
+    tokenizer_core = Tokenizer.from_file(str(data_dir / meta["tokenizer_file"]))
+    names = {key: tokenizer_core.id_to_token(token_id) for key, token_id in meta["special_tokens"].items()}
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer_core, eos_token=names["eot"], bos_token=names["eot"], pad_token=names["pad"],
+        mask_token=names["mask"], cls_token=names["cls"], sep_token=names["sep"],
+    )
+    raw_model.save_pretrained(final_dir)
+    tokenizer.save_pretrained(final_dir)
+    print(f"exported the model and tokenizer to {final_dir}", flush=True)
+    if task == "causal" and cfg.log.sample_prompt:
+        raw_model.eval()
+        prompt = torch.tensor([tokenizer.encode(cfg.log.sample_prompt)], device=device)
+        new_tokens = min(cfg.log.sample_tokens, raw_model.config.max_position_embeddings - prompt.shape[1])
+        with torch.no_grad():
+            generated = raw_model.generate(prompt, max_new_tokens=new_tokens, do_sample=True, top_k=40,
+                                           pad_token_id=meta["special_tokens"]["pad"])
+        print("sample:\n" + tokenizer.decode(generated[0].tolist(), skip_special_tokens=True), flush=True)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except UserError as error:
+        if int(os.environ.get("RANK", "0")) == 0:  # every rank raised the same error; rank 0 says it once
+            print(f"error: {error}", file=sys.stderr, flush=True)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        sys.exit(2)
