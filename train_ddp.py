@@ -151,14 +151,17 @@ def main():
         log0(f"resumed from {resume_dir}: step {step}, {samples_seen:,} samples, {tokens_seen:,} tokens seen")
 
     # ------------------------------------------------------------------------- 7. training loop
-    # Wrapped after loading: DDP's constructor copies rank 0's weights to every rank.
+    # Wrapped after loading: DDP's constructor copies rank 0's weights to every rank. One process needs no
+    # DDP: it would only split the compiled graph at its buckets (below) and all-reduce with itself.
     ddp_model = DDP(raw_model, device_ids=[local_rank] if use_cuda else None,
-                    gradient_as_bucket_view=True)  # gradients live in the all-reduce buckets: no second copy
+                    gradient_as_bucket_view=True) if world_size > 1 else None  # gradients live in the buckets
     use_compile = cfg.train.compile == "true" or (cfg.train.compile == "auto" and use_cuda)
     # Dynamo splits the compiled graph at DDP's bucket boundaries whenever it compiles code running inside
     # DDP's forward, whichever of the two wraps the other (DDPOptimizer, torch/_dynamo/convert_frame.py):
     # each bucket's all-reduce then starts while backward is still computing the earlier layers.
-    model = torch.compile(ddp_model) if use_compile else ddp_model
+    model = torch.compile(ddp_model or raw_model) if use_compile else ddp_model or raw_model
+    # the loss in its own compiled graph: the fp32 upcast, log-softmax and gather fuse into few kernels
+    loss_of = torch.compile(token_loss_sum) if use_compile else token_loss_sum
     out_dir = Path(cfg.out_dir)
     metrics_file = None
     if rank == 0:
@@ -188,10 +191,10 @@ def main():
         for index, batch in enumerate(micro_batches):
             is_last = index == len(micro_batches) - 1
             # no_sync: accumulate locally; only the last backward all-reduces, overlapped with compute
-            with contextlib.nullcontext() if is_last else ddp_model.no_sync():
+            with ddp_model.no_sync() if ddp_model and not is_last else contextlib.nullcontext():
                 with autocast:
                     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-                loss_sum = token_loss_sum(logits, batch["labels"])
+                loss_sum = loss_of(logits, batch["labels"])
                 scaler.scale(loss_sum * loss_scale).backward()
             interval_loss_sum += loss_sum.detach()
         scaler.unscale_(optimizer)  # clip the true gradient, not the fp16-scaled one
@@ -688,6 +691,7 @@ def build_model(cfg, task, padded_vocab_size, special, device):
     for name, value in config.to_dict().items():
         if ("dropout" in name or "pdrop" in name) and isinstance(value, float):
             setattr(config, name, cfg.model.dropout)
+    config.use_cache = False  # a key/value cache serves generation only; training would build one every forward
     model_class = AutoModelForMaskedLM if task == "mlm" else AutoModelForCausalLM
     if not cfg.model.pretrained:
         return model_class.from_config(config, attn_implementation=attention, dtype=torch.float32), attention
@@ -940,6 +944,7 @@ def export_final(raw_model, data_dir, meta, final_dir, task, cfg, device):
         tokenizer_object=tokenizer_core, eos_token=names["eot"], bos_token=names["eot"], pad_token=names["pad"],
         mask_token=names["mask"], cls_token=names["cls"], sep_token=names["sep"],
     )
+    raw_model.config.use_cache = True  # off for training (build_model); generation wants it back
     raw_model.save_pretrained(final_dir)
     tokenizer.save_pretrained(final_dir)
     print(f"exported the model and tokenizer to {final_dir}", flush=True)
@@ -948,7 +953,8 @@ def export_final(raw_model, data_dir, meta, final_dir, task, cfg, device):
         prompt = torch.tensor([tokenizer.encode(cfg.log.sample_prompt)], device=device)
         new_tokens = min(cfg.log.sample_tokens, raw_model.config.max_position_embeddings - prompt.shape[1])
         with torch.no_grad():
-            generated = raw_model.generate(prompt, max_new_tokens=new_tokens, do_sample=True, top_k=40,
+            generated = raw_model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
+                                           do_sample=True, top_k=40,
                                            pad_token_id=meta["special_tokens"]["pad"])
         print("sample:\n" + tokenizer.decode(generated[0].tolist(), skip_special_tokens=True), flush=True)
 

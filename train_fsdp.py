@@ -179,9 +179,13 @@ def main():
 
     # ------------------------------------------------------------------------- 7. training loop
     model = raw_model  # sharded in place by fully_shard, its blocks compiled there (section 4)
+    # the loss in its own compiled graph: the fp32 upcast, log-softmax and gather fuse into few kernels
+    loss_of = torch.compile(token_loss_sum) if use_compile else token_loss_sum
     # dcp.async_save writes in a background thread and needs a process group with a CPU backend
     async_group = dist.new_group(backend="gloo") if cfg.checkpoint.async_save else None
     checkpoint_in_flight = None  # an async checkpoint still being written: published before the next one
+    # the loss in its own compiled graph: the fp32 upcast, log-softmax and gather fuse into few kernels
+    loss_of = torch.compile(token_loss_sum) if use_compile else token_loss_sum
     out_dir = Path(cfg.out_dir)
     metrics_file = None
     if rank == 0:
@@ -215,7 +219,7 @@ def main():
             raw_model.set_requires_gradient_sync(is_last)
             with autocast:
                 logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-            loss_sum = token_loss_sum(logits, batch["labels"])
+            loss_sum = loss_of(logits, batch["labels"])
             scaler.scale(loss_sum * loss_scale).backward()
             interval_loss_sum += loss_sum.detach()
         scaler.unscale_(optimizer)  # clip the true gradient, not the fp16-scaled one
@@ -722,6 +726,7 @@ def build_model(cfg, task, padded_vocab_size, special, device, shapes_only=False
     for name, value in config.to_dict().items():
         if ("dropout" in name or "pdrop" in name) and isinstance(value, float):
             setattr(config, name, cfg.model.dropout)
+    config.use_cache = False  # a key/value cache serves generation only; training would build one every forward
     model_class = AutoModelForMaskedLM if task == "mlm" else AutoModelForCausalLM
     if shapes_only:  # rank 0 gives a pretrained model with a smaller vocabulary padded_vocab_size rows
         config.vocab_size = max(config.vocab_size, padded_vocab_size)
@@ -1074,6 +1079,7 @@ def export_final(raw_model, data_dir, meta, final_dir, task, cfg, device):
         tokenizer_object=tokenizer_core, eos_token=names["eot"], bos_token=names["eot"], pad_token=names["pad"],
         mask_token=names["mask"], cls_token=names["cls"], sep_token=names["sep"],
     )
+    raw_model.config.use_cache = True  # off for training (build_model); generation wants it back
     raw_model.save_pretrained(final_dir)
     tokenizer.save_pretrained(final_dir)
     print(f"exported the model and tokenizer to {final_dir}", flush=True)
@@ -1082,7 +1088,8 @@ def export_final(raw_model, data_dir, meta, final_dir, task, cfg, device):
         prompt = torch.tensor([tokenizer.encode(cfg.log.sample_prompt)], device=device)
         new_tokens = min(cfg.log.sample_tokens, raw_model.config.max_position_embeddings - prompt.shape[1])
         with torch.no_grad():
-            generated = raw_model.generate(prompt, max_new_tokens=new_tokens, do_sample=True, top_k=40,
+            generated = raw_model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
+                                           do_sample=True, top_k=40,
                                            pad_token_id=meta["special_tokens"]["pad"])
         print("sample:\n" + tokenizer.decode(generated[0].tolist(), skip_special_tokens=True), flush=True)
 

@@ -44,6 +44,7 @@ WORK_DIR = REPO / "out" / "bench"  # run directories and the random-token data; 
 SHAPES = {
     "A": {"n_layer": 12, "n_head": 12, "n_embd": 768},
     "B": {"n_layer": 36, "n_head": 20, "n_embd": 1280},
+    "12B": {"n_layer": 40, "n_head": 40, "n_embd": 5120},  # GPT-3 13B's layout: 12.6B parameters here
 }
 BATCH = {"vocab_size": 8192, "seq_len": 1024, "micro_batch_size": 16, "global_batch_size": 64}
 # --tiny: the same plumbing on a CPU (10-100 s per stage on the 2-core machine here, shared with other work)
@@ -71,10 +72,39 @@ STAGES = {
                    "log_every": 10, "timeout_s": 240},
     "hf_trainer_compiled": {"sides": ["hf_trainer_compiled"], "shape": "A", "gpus": 1, "steps": 200,
                             "skip_steps": 20, "log_every": 10, "timeout_s": 270},
-    "fsdp": {"sides": [], "placeholder": "train_fsdp.py does not exist yet; the lead adds this stage"},
+    # issue 6: FSDP against DDP on a model both hold (shape B, ~770M parameters), then one that DDP cannot
+    # hold (16 bytes per parameter: weights, gradients, AdamW) on one 141 GB H200: 12.6B parameters
+    "fsdp_shapeB_2gpu": {"sides": ["ours", "ours_fsdp"], "shape": "B", "gpus": 2, "steps": 40, "skip_steps": 10,
+                         "log_every": 5, "timeout_s": 280},
+    "fsdp_12b_2gpu": {"sides": ["ours_fsdp"], "shape": "12B", "gpus": 2, "steps": 6, "skip_steps": 2,
+                      "log_every": 1, "timeout_s": 560, "batch": {"micro_batch_size": 4, "global_batch_size": 8},
+                      "extra": ["fsdp.activation_checkpointing=true"],
+                      "env": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}},
+    # issue 8: what each change to train_ddp.py is worth, one variant at a time (VARIANTS), same call
+    "ablation_shapeA_1gpu": {"sides": ["ours", "variant:ddp_at_world_size_1", "variant:plain_loss",
+                                       "variant:before_issue_6"], "shape": "A", "gpus": 1, "steps": 80,
+                             "skip_steps": 20, "log_every": 10, "timeout_s": 200},
+    # issue 8: syncs between host and GPU, counted by torch.cuda.set_sync_debug_mode over 40 steps
+    "sync_check_shapeA_1gpu": {"sides": ["variant:sync_debug"], "shape": "A", "gpus": 1, "steps": 40,
+                               "skip_steps": 10, "log_every": 20, "timeout_s": 200},
     "bert": {"sides": [], "placeholder": "the masked-LM measurements of issue 8 are not written yet"},
 }
 TINY_STEPS = {"steps": 12, "skip_steps": 4, "log_every": 2, "timeout_s": 240}
+
+# Variants of train_ddp.py for the ablation: each is the trainer with one change, made by replacing text
+# (so each stays a single readable file); a replacement that no longer matches stops that side with an error.
+VARIANTS = {
+    "ddp_at_world_size_1": [("gradient_as_bucket_view=True) if world_size > 1 else None",
+                             "gradient_as_bucket_view=True)")],  # the DDP wrapper on one process too
+    "plain_loss": [("    loss_of = torch.compile(token_loss_sum) if use_compile else token_loss_sum",
+                    "    loss_of = token_loss_sum")],
+    "use_cache": [("    config.use_cache = False", "    config.use_cache = True")],
+    "sync_debug": [("def main():\n", "def main():\n    import warnings\n    warnings.simplefilter('always')\n"
+                    "    torch.cuda.set_sync_debug_mode('warn')\n")],
+}
+# before_issue_6: train_ddp.py as it was before this round of work (commit 47acc78), kept outside the
+# repository with its config.yaml: git show 47acc78:train_ddp.py > .baselines/before_issue_6/train_ddp.py
+VARIANT_FILES = {"before_issue_6": REPO / ".baselines" / "before_issue_6"}
 
 DATA_WAIT_KEY = "data_wait_fraction"  # a metrics.jsonl "train" key; the trainer does not write it yet
 
@@ -250,16 +280,49 @@ def device_env(gpus, tiny):
 
 # ----------------------------------------------------------------------------- 5. the sides
 
-def run_ours(stage_name, stage, shape, batch, tiny, port, log):
-    run_dir = WORK_DIR / stage_name / "ours"
+def variant_script(name):
+    """Write train_ddp.py with VARIANTS[name]'s replacements (and config.yaml beside it); return its path."""
+    if name in VARIANT_FILES:
+        if not (VARIANT_FILES[name] / "train_ddp.py").is_file():
+            raise FileNotFoundError(f"{VARIANT_FILES[name]}/train_ddp.py (see VARIANT_FILES)")
+        return VARIANT_FILES[name] / "train_ddp.py"
+    text = (REPO / "train_ddp.py").read_text()
+    for old, new in VARIANTS[name]:
+        if old not in text:
+            raise ValueError(f"variant {name}: {old[:60]!r} is no longer in train_ddp.py")
+        text = text.replace(old, new)
+    directory = WORK_DIR / "variants" / name
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.yaml").write_text((REPO / "config.yaml").read_text())
+    (directory / "train_ddp.py").write_text(text)
+    return directory / "train_ddp.py"
+
+
+def run_ours(stage_name, stage, shape, batch, tiny, port, log, side="ours"):
+    run_dir = WORK_DIR / stage_name / side.replace(":", "_")
     remove_tree(run_dir)  # a checkpoint left there would be resumed (checkpoint.resume=auto) and train no step
-    env_extra = {**device_env(stage["gpus"], tiny), "NPROC_PER_NODE": str(stage["gpus"]), "MASTER_PORT": str(port)}
+    env_extra = {**device_env(stage["gpus"], tiny), "NPROC_PER_NODE": str(stage["gpus"]), "MASTER_PORT": str(port),
+                 **stage.get("env", {})}
     if tiny:
         env_extra["LAUNCH_DEVICE"] = "cpu"
     overrides = our_overrides(shape, batch, stage["steps"], stage["log_every"], run_dir.relative_to(REPO), tiny)
-    command = ["bash", "launch.sh", "train_ddp.py", *overrides]
+    if side == "variant:before_issue_6":  # its config has no export key and always checkpoints at the end
+        overrides = [o for o in overrides if o not in ("checkpoint.every=0", "export=false")]
+        overrides += [f"checkpoint.every={stage['steps']}", "log.sample_prompt="]
+    script = {"ours": "train_ddp.py", "ours_fsdp": "train_fsdp.py"}.get(side)
+    if side.startswith("variant:"):
+        script = str(variant_script(side.split(":", 1)[1]).relative_to(REPO))
+    command = ["bash", "launch.sh", script, *overrides, *stage.get("extra", [])]
     status, output, seconds = run_process(command, REPO, env_extra, stage["timeout_s"], log)
     record = {"command": shell_text(command, env_extra, REPO), "status": status, "seconds": round(seconds, 1)}
+    if side == "variant:sync_debug":  # warnings between the first and the last logged step
+        logged = [m.start() for m in re.finditer(r"^step \d+/\d+ \|", output, re.MULTILINE)]
+        if len(logged) >= 2:
+            window = output[logged[0]:logged[-1]]
+            record["syncs_between_logged_steps"] = len(re.findall(r"synchroniz", window, re.IGNORECASE))
+            record["steps_between_logged_steps"] = stage["steps"] - stage["log_every"]
+    parameters = re.search(r"model \S+ \(\w+\), ([\d.]+)M parameters", output)
+    record["parameters_millions"] = float(parameters.group(1)) if parameters else None
     vocab = re.search(r"vocab (\d+) padded to (\d+)", output)
     attention = re.search(r"attention (\S+),", output)
     record["vocab"] = int(vocab.group(1)) if vocab else None
@@ -432,7 +495,7 @@ def hf_trainer_worker(stage_name, tiny):
     print("HF_TRAINER_RESULT " + json.dumps(result), flush=True)
 
 
-SIDE_RUNNERS = {"ours": run_ours, "nanogpt": run_nanogpt, "hf_trainer": run_hf_trainer,
+SIDE_RUNNERS = {"ours": run_ours, "ours_fsdp": run_ours, "nanogpt": run_nanogpt, "hf_trainer": run_hf_trainer,
                 "hf_trainer_compiled": run_hf_trainer}
 
 
@@ -510,6 +573,17 @@ def figures(stage_records):
             row(f"shape{shape}_scaling_1to2", ours_scaling, "x (2-GPU tokens/s / 1-GPU tokens/s)",
                 "nanoGPT's own 1 -> 2 GPU scaling", their_scaling,
                 f"{one['ours'].get('command')} ; {two['ours'].get('command')}", None, two["ours"], note)
+    fsdp_b = by_stage.get("fsdp_shapeB_2gpu", {})
+    if "ours_fsdp" in fsdp_b:
+        ddp = fsdp_b.get("ours") or {}
+        row("fsdp_shapeB_2gpu_tokens_per_sec", fsdp_b["ours_fsdp"].get("tokens_per_sec"), "tokens/s",
+            "train_ddp.py, same shape, same call", ddp.get("tokens_per_sec"), fsdp_b["ours_fsdp"].get("command"),
+            ddp.get("command"), fsdp_b["ours_fsdp"])
+    big = by_stage.get("fsdp_12b_2gpu", {}).get("ours_fsdp")
+    if big:
+        row("fsdp_12b_2gpu_tokens_per_sec", big.get("tokens_per_sec"), "tokens/s", None, None, big.get("command"),
+            None, big, note=f"{big.get('parameters_millions')}M parameters, peak {big.get('peak_mem_gib')} GiB per GPU, "
+                            f"MFU {big.get('mfu')}")
     ours_a = by_stage.get("shapeA_1gpu", {}).get("ours")
     if ours_a:
         wait = ours_a.get("data_wait_fraction")
@@ -569,6 +643,17 @@ def summary_markdown(stage_records, rows):
                 f"| {percent(ours.get('mfu'))} / {percent(ours.get('mfu_by_our_formula'))} "
                 f"| {percent(theirs.get('mfu_by_our_formula'))} | {number(ours.get('peak_mem_gib'), 1)} "
                 f"| {ours.get('status')} / {theirs.get('status', '—')} |")
+    other = [r for r in stage_records if r["stage"] not in ("shapeA_1gpu", "shapeB_1gpu", "shapeA_2gpu", "shapeB_2gpu")
+             and not r["stage"].startswith("hf_") and r.get("side") != "placeholder"]
+    if other:
+        lines += ["", "| stage | side | GPUs | parameters | window | tokens/s | MFU (reported) | peak mem GiB | status |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for r in other:
+            extra = (f", {r['syncs_between_logged_steps']} syncs in {r['steps_between_logged_steps']} steps"
+                     if "syncs_between_logged_steps" in r else "")
+            lines.append(f"| {r['stage']} | {r['side']} | {r.get('gpus')} | {number(r.get('parameters_millions'), 1)}M "
+                         f"| {r.get('window', '—')} | {number(r.get('tokens_per_sec'))} | {percent(r.get('mfu'))} "
+                         f"| {number(r.get('peak_mem_gib'), 1)} | {r.get('status')}{extra} |")
     hf_sides = [sides[name] for name, sides in by_stage.items() if name.startswith("hf_") and name in sides]
     if hf_sides:
         ours_tps = by_stage.get("shapeA_1gpu", {}).get("ours", {}).get("tokens_per_sec")
@@ -629,8 +714,11 @@ def stage_settings(stage_name, tiny):
     stage = dict(STAGES[stage_name])
     if tiny:
         stage.update(TINY_STEPS)
-    shape = (TINY_SHAPES if tiny else SHAPES)[stage.get("shape", "A")]
-    return stage, shape, (TINY_BATCH if tiny else BATCH)
+    shape = (TINY_SHAPES if tiny else SHAPES)[stage.get("shape", "A") if not tiny else "A"]
+    batch = dict(TINY_BATCH if tiny else BATCH)
+    if not tiny:
+        batch.update(stage.get("batch", {}))
+    return stage, shape, batch
 
 
 def run_stage(stage_name, tiny, machine, timeout_s, port, log, keep):
@@ -653,7 +741,10 @@ def run_stage(stage_name, tiny, machine, timeout_s, port, log, keep):
         log(f"=== {stage_name} / {side}: {stage['steps']} steps, window after step {stage['skip_steps']}, "
             f"timeout {stage['timeout_s']}s")
         try:
-            record = SIDE_RUNNERS[side](stage_name, stage, shape, batch, tiny, port + index, log)
+            if side.startswith("variant:") or side.startswith("ours"):
+                record = run_ours(stage_name, stage, shape, batch, tiny, port + index, log, side)
+            else:
+                record = SIDE_RUNNERS[side](stage_name, stage, shape, batch, tiny, port + index, log)
         except Exception as error:  # one broken side must not cost the figures of the others
             record = {"status": f"error: {type(error).__name__}: {error}"}
         record = {**base, "side": side, **record}
