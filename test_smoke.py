@@ -164,12 +164,13 @@ def test_bf16_and_flash_attention_are_chosen_by_compute_capability(monkeypatch):
                                              ((8, 0), "bf16", "flash_attention_2"), ((9, 0), "bf16", "flash_attention_2")]:
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, value=capability: value)
         assert train_ddp.choose_precision("auto", gpu) == precision, capability
-        assert train_ddp.choose_attention("auto", gpu) == attention, capability
+        assert train_ddp.choose_attention("auto", gpu, "mlm") == attention, capability
     with pytest.raises(train_ddp.UserError, match="compute capability 8.0"):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
-        train_ddp.choose_attention("flash_attention_2", gpu)
+        train_ddp.choose_attention("flash_attention_2", gpu, "causal")
     assert train_ddp.choose_precision("auto", cpu) == "fp32"
-    assert train_ddp.choose_attention("auto", cpu) == "sdpa"
+    assert train_ddp.choose_attention("auto", cpu, "mlm") == "sdpa"
+    assert train_ddp.choose_attention("auto", cpu, "causal") == "sdpa_causal"  # no explicit mask under compile
 
 
 def test_mfu_peak_is_looked_up_by_exact_gpu_name_only(monkeypatch):

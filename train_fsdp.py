@@ -44,7 +44,9 @@ from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM, PreTrainedTokenizerFast
+from transformers import (AttentionInterface, AttentionMaskInterface, AutoConfig, AutoModelForCausalLM,
+                          AutoModelForMaskedLM, PreTrainedTokenizerFast)
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
 from transformers.utils import logging as transformers_logging
 
@@ -699,7 +701,7 @@ def load_pretrained_config(path):
 def build_model(cfg, task, padded_vocab_size, special, device, shapes_only=False):
     """A new model from a transformers config, or a local pretrained one; fp32 master weights.
     shapes_only: the modules without loading pretrained weights (under torch.device("meta"): no memory)."""
-    attention = choose_attention(cfg.model.attention, device)
+    attention = choose_attention(cfg.model.attention, device, task)
     if cfg.model.pretrained:
         config = load_pretrained_config(cfg.model.pretrained)
         if getattr(config, "max_position_embeddings", cfg.train.seq_len) < cfg.train.seq_len:
@@ -782,12 +784,21 @@ def shard_model(raw_model, source_model, cfg, param_dtype, use_compile, device):
         setattr(raw_model.get_submodule(owner), buffer_name, value)
 
 
-def choose_attention(requested, device):
+def choose_attention(requested, device, task):
     # FlashAttention-2 runs on compute capability 8.0 and newer only (its README: Ampere, Ada, Hopper): on an
     # older GPU where flash_attn imports, picking it would fail at the first forward pass
     usable = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0) and flash_attn_available()
+    if requested == "auto" and usable:
+        return "flash_attention_2"
+    if requested == "auto" and task == "causal":
+        # transformers' "sdpa" builds an explicit causal mask whenever torch.compile traces it (masking_utils.py,
+        # _ignore_causal_mask_sdpa: with torch before 2.14), and PyTorch's SDPA runs no flash kernel with an
+        # explicit mask. Our causal batches are never padded, so this one passes no mask and SDPA is_causal=True.
+        AttentionInterface.register("sdpa_causal", sdpa_attention_forward)
+        AttentionMaskInterface.register("sdpa_causal", lambda *args, **kwargs: None)
+        return "sdpa_causal"
     if requested == "auto":
-        return "flash_attention_2" if usable else "sdpa"
+        return "sdpa"
     if requested == "flash_attention_2" and not usable:
         die("model.attention=flash_attention_2 needs the flash_attn package and a GPU of compute capability 8.0 or "
             "newer -> pip install flash-attn, or use model.attention=sdpa")
@@ -1080,6 +1091,8 @@ def export_final(raw_model, data_dir, meta, final_dir, task, cfg, device):
         mask_token=names["mask"], cls_token=names["cls"], sep_token=names["sep"],
     )
     raw_model.config.use_cache = True  # off for training (build_model); generation wants it back
+    if raw_model.config._attn_implementation == "sdpa_causal":  # ours ignores padding: not for other users
+        raw_model.set_attn_implementation("sdpa")
     raw_model.save_pretrained(final_dir)
     tokenizer.save_pretrained(final_dir)
     print(f"exported the model and tokenizer to {final_dir}", flush=True)

@@ -60,11 +60,11 @@ TINY_BATCH = {"vocab_size": 8192, "seq_len": 64, "micro_batch_size": 4, "global_
 # one GPU, B ~90k; 65,536 tokens per step). timeout_s holds for each side on its own; the two sides of a
 # stage together stay under the GPU machine's 10 minutes per call.
 STAGES = {
-    "shapeA_1gpu": {"sides": ["ours", "nanogpt"], "shape": "A", "gpus": 1, "steps": 200, "skip_steps": 20,
+    "shapeA_1gpu": {"sides": ["ours", "nanogpt"], "shape": "A", "gpus": 1, "steps": 150, "skip_steps": 20,
                     "log_every": 10, "timeout_s": 240},
-    "shapeB_1gpu": {"sides": ["ours", "nanogpt"], "shape": "B", "gpus": 1, "steps": 40, "skip_steps": 10,
+    "shapeB_1gpu": {"sides": ["ours", "nanogpt"], "shape": "B", "gpus": 1, "steps": 30, "skip_steps": 10,
                     "log_every": 5, "timeout_s": 280},
-    "shapeA_2gpu": {"sides": ["ours", "nanogpt"], "shape": "A", "gpus": 2, "steps": 400, "skip_steps": 40,
+    "shapeA_2gpu": {"sides": ["ours", "nanogpt"], "shape": "A", "gpus": 2, "steps": 200, "skip_steps": 30,
                     "log_every": 10, "timeout_s": 240},
     "shapeB_2gpu": {"sides": ["ours", "nanogpt"], "shape": "B", "gpus": 2, "steps": 70, "skip_steps": 10,
                     "log_every": 5, "timeout_s": 280},
@@ -74,16 +74,19 @@ STAGES = {
                             "skip_steps": 20, "log_every": 10, "timeout_s": 270},
     # issue 6: FSDP against DDP on a model both hold (shape B, ~770M parameters), then one that DDP cannot
     # hold (16 bytes per parameter: weights, gradients, AdamW) on one 141 GB H200: 12.6B parameters
-    "fsdp_shapeB_2gpu": {"sides": ["ours", "ours_fsdp"], "shape": "B", "gpus": 2, "steps": 40, "skip_steps": 10,
+    "fsdp_shapeB_2gpu": {"sides": ["ours", "ours_fsdp"], "shape": "B", "gpus": 2, "steps": 30, "skip_steps": 10,
                          "log_every": 5, "timeout_s": 280},
     "fsdp_12b_2gpu": {"sides": ["ours_fsdp"], "shape": "12B", "gpus": 2, "steps": 6, "skip_steps": 2,
-                      "log_every": 1, "timeout_s": 560, "batch": {"micro_batch_size": 4, "global_batch_size": 8},
+                      "log_every": 1, "timeout_s": 300, "batch": {"micro_batch_size": 4, "global_batch_size": 8},
                       "extra": ["fsdp.activation_checkpointing=true"],
                       "env": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}},
     # issue 8: what each change to train_ddp.py is worth, one variant at a time (VARIANTS), same call
     "ablation_shapeA_1gpu": {"sides": ["ours", "variant:ddp_at_world_size_1", "variant:plain_loss",
                                        "variant:before_issue_6"], "shape": "A", "gpus": 1, "steps": 80,
                              "skip_steps": 20, "log_every": 10, "timeout_s": 200},
+    # issue 8: transformers' "sdpa" (an explicit causal mask under compile) against our "sdpa_causal"
+    "attention_shapeA_1gpu": {"sides": ["ours", "variant:sdpa_masked"], "shape": "A", "gpus": 1, "steps": 70,
+                              "skip_steps": 20, "log_every": 10, "timeout_s": 200},
     # issue 8: syncs between host and GPU, counted by torch.cuda.set_sync_debug_mode over 40 steps
     "sync_check_shapeA_1gpu": {"sides": ["variant:sync_debug"], "shape": "A", "gpus": 1, "steps": 40,
                                "skip_steps": 10, "log_every": 20, "timeout_s": 200},
@@ -99,6 +102,7 @@ VARIANTS = {
     "plain_loss": [("    loss_of = torch.compile(token_loss_sum) if use_compile else token_loss_sum",
                     "    loss_of = token_loss_sum")],
     "use_cache": [("    config.use_cache = False", "    config.use_cache = True")],
+    "sdpa_masked": [("    if requested == \"auto\" and task == \"causal\":", "    if False:")],  # transformers' own sdpa
     "sync_debug": [("def main():\n", "def main():\n    import warnings\n    warnings.simplefilter('always')\n"
                     "    torch.cuda.set_sync_debug_mode('warn')\n")],
 }
@@ -272,10 +276,13 @@ def shell_text(command, env_extra, cwd):
     return prefix + " ".join(assignments + [shlex.quote(part) for part in command])
 
 
+GPU_OFFSET = int(os.environ.get("BENCH_FIRST_GPU", "0"))  # two bench processes can share a 2-GPU machine
+
+
 def device_env(gpus, tiny):
     if tiny:
         return {"CUDA_VISIBLE_DEVICES": ""}
-    return {"CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in range(gpus))}
+    return {"CUDA_VISIBLE_DEVICES": ",".join(str(GPU_OFFSET + i) for i in range(gpus))}
 
 
 # ----------------------------------------------------------------------------- 5. the sides
@@ -809,7 +816,7 @@ def main():
     for index, stage_name in enumerate(stage_names):
         started = time.perf_counter()
         try:
-            run_stage(stage_name, args.tiny, machine, args.timeout_s, 29600 + 10 * index, log, keep)
+            run_stage(stage_name, args.tiny, machine, args.timeout_s, 29600 + 200 * GPU_OFFSET + 10 * index, log, keep)
         except Exception as error:
             keep({"stage": stage_name, "side": "stage", "status": f"error: {type(error).__name__}: {error}",
                   "date": machine["date"], "machine": machine["machine"], "tiny": args.tiny})
