@@ -177,8 +177,11 @@ def probe_machine():
     info["gpus"] = len(names)
     info["machine"] = f"{len(names)} × {names[0]}, {cores} cores" if names else f"CPU only, {cores} cores"
     info["nanogpt_commit"] = nanogpt_commit()
-    info["repo_commit"] = git_output(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"]) or "unknown"
-    if info["repo_commit"] != "unknown" and git_output(["git", "-C", str(REPO), "status", "--porcelain", "--", "."]):
+    # the GPU tool's copy of the tree can carry an older .git than the files: set BENCH_COMMIT there
+    info["repo_commit"] = os.environ.get("BENCH_COMMIT") or git_output(["git", "-C", str(REPO), "rev-parse", "--short",
+                                                                      "HEAD"]) or "unknown"
+    if "BENCH_COMMIT" not in os.environ and info["repo_commit"] != "unknown" and git_output(
+            ["git", "-C", str(REPO), "status", "--porcelain", "--", "."]):
         info["repo_commit"] += " + uncommitted changes"
     info["nccl_nvls_enable"] = os.environ.get("NCCL_NVLS_ENABLE")
     return info
