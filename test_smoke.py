@@ -6,6 +6,7 @@
 import hashlib
 import importlib.util
 import json
+import math
 import os
 import random
 import re
@@ -386,7 +387,7 @@ def test_corrupt_checkpoint_is_refused_and_left_untouched(trained_run, data_dir,
     before = {p.name: p.read_bytes() for p in broken.iterdir()}
     result = run([sys.executable, "train_ddp.py", f"data.dir={data_dir}", *TINY_MODEL,
                   f"checkpoint.dir={tmp_path}/ckpt", f"out_dir={tmp_path}"])
-    assert_one_line_error(result, "cannot load checkpoint")
+    assert_one_line_error(result, "every checkpoint in", "is damaged")
     assert {p.name: p.read_bytes() for p in broken.iterdir()} == before
 
 
@@ -519,6 +520,166 @@ def test_bad_model_settings_are_one_line_errors(override, fragment, data_dir, tm
     result = run([sys.executable, "train_ddp.py", f"data.dir={data_dir}", *TINY_MODEL, override,
                   f"out_dir={tmp_path}", f"checkpoint.dir={tmp_path}/ckpt"])
     assert_one_line_error(result, fragment)
+
+
+# ----------------------------------------------------------------------------- faults (FAULT=kind:rank:step)
+
+def final_weights(ckpt_step_dir):
+    return torch.load(Path(ckpt_step_dir) / "model.pt", weights_only=True)
+
+
+@pytest.mark.parametrize("fault", ["kill:1:7", "kill-in-save:0:8"])
+def test_a_killed_rank_restarts_from_the_last_checkpoint_and_ends_with_the_uninterrupted_weights(fault, trained_run,
+                                                                                                data_dir, tmp_path):
+    """kill: a rank dies in step 7; kill-in-save: rank 0 dies halfway through writing the step-8 checkpoint.
+    launch.sh's torchrun restarts the workers, which resume from step 4 (the half-written checkpoint is never
+    used and its leftovers go) and end with the weights of the run that was never interrupted."""
+    out, _ = trained_run
+    result = run(["bash", "launch.sh", f"data.dir={data_dir}", *EIGHT_STEPS, "model.dropout=0.1", f"out_dir={tmp_path}",
+                  f"checkpoint.dir={tmp_path}/ckpt"],
+                 env_extra={"MASTER_PORT": str(free_port()), "FAULT": fault, "MAX_RESTARTS": "1"})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "resumed from" in result.stdout and "step 4" in result.stdout.split("resumed from")[1].splitlines()[0]
+    if fault.startswith("kill-in-save"):
+        assert "removing" in result.stdout and ".tmp-step_000008" in result.stdout
+    assert not list((tmp_path / "ckpt").glob(".tmp-*"))
+    steps = [t["step"] for t in read_metrics(tmp_path, "train")]
+    assert steps == list(range(1, 9)), steps  # replayed steps appear once
+    reference, recovered = final_weights(out / "ckpt" / "step_000008"), final_weights(tmp_path / "ckpt" / "step_000008")
+    assert all(torch.equal(reference[name], recovered[name]) for name in reference)
+
+
+def test_a_nan_on_one_rank_skips_that_step_on_every_rank(data_dir, tmp_path):
+    result = torchrun(2, "train_ddp.py", f"data.dir={data_dir}", *EIGHT_STEPS, "train.max_steps=5", "checkpoint.every=5",
+                      f"out_dir={tmp_path}", f"checkpoint.dir={tmp_path}/ckpt", env_extra={"FAULT": "nan:1:3"})
+    assert "step 3 | non-finite gradient: update skipped (1 in a row)" in result.stdout
+    train = {t["step"]: t for t in read_metrics(tmp_path, "train")}
+    assert train[3]["skipped_steps"] == 1 and train[3]["loss"] is None
+    assert all(train[step]["skipped_steps"] == 0 and math.isfinite(train[step]["loss"]) for step in (1, 2, 4, 5))
+    weights = final_weights(tmp_path / "ckpt" / "step_000005")
+    assert all(torch.isfinite(value).all() for value in weights.values())
+
+
+def test_a_diverging_run_stops_after_max_bad_steps_and_never_saves_non_finite_weights(data_dir, tmp_path):
+    """The hostile test's case: optim.lr=1e6 gave NaN from step 3 and a NaN model, with exit code 0."""
+    result = torchrun(2, "train_ddp.py", f"data.dir={data_dir}", *TINY_MODEL, "train.global_batch_size=16",
+                      "train.micro_batch_size=8", "train.max_steps=40", "optim.lr=1e6", "optim.warmup_steps=0",
+                      "optim.grad_clip=0", "train.max_bad_steps=3", "checkpoint.every=1", "checkpoint.keep=100",
+                      "log.every=1", f"out_dir={tmp_path}", f"checkpoint.dir={tmp_path}/ckpt", must_pass=False)
+    assert_one_line_error(result, "3 steps in a row had a non-finite gradient", under_torchrun=True)
+    assert not (tmp_path / "final").exists()
+    saved = sorted((tmp_path / "ckpt").glob("step_*"))
+    assert saved, result.stdout[-2000:]
+    for checkpoint in saved:
+        assert all(torch.isfinite(value).all() for value in final_weights(checkpoint).values()), checkpoint
+
+
+def test_a_hung_rank_ends_the_job_within_the_timeout_and_is_named(data_dir, tmp_path):
+    started = time.monotonic()
+    result = torchrun(2, "train_ddp.py", f"data.dir={data_dir}", *EIGHT_STEPS, "dist.timeout_s=8", f"out_dir={tmp_path}",
+                      f"checkpoint.dir={tmp_path}/ckpt", must_pass=False,
+                      env_extra={"FAULT": "hang:1:3", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "5"})
+    elapsed = time.monotonic() - started
+    assert result.returncode != 0
+    assert elapsed < 8 + 30 + 30, elapsed  # the timeout, torchrun's shutdown grace, and start-up on a slow machine
+    errors = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith("error:")]
+    assert errors and "waited longer than dist.timeout_s" in errors[0] and "stopped answering: [1]" in errors[0], errors
+
+
+def damage(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped bit pattern in the middle: the file still loads as a pickle archive
+    path.write_bytes(bytes(data))
+
+
+def test_a_damaged_newest_checkpoint_is_passed_over_for_the_next_intact_one(trained_run, data_dir, tmp_path):
+    out, _ = trained_run
+    shutil.copytree(out / "ckpt", tmp_path / "ckpt")
+    damage(tmp_path / "ckpt" / "step_000008" / "model.pt")
+    result = run([sys.executable, "train_ddp.py", f"data.dir={data_dir}", *EIGHT_STEPS, "train.max_steps=5",
+                  f"out_dir={tmp_path}", f"checkpoint.dir={tmp_path}/ckpt", "export=false"])
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "step_000008 is damaged (model.pt does not match its checksum)" in result.stdout
+    assert "resumed from" in result.stdout and "step_000004" in result.stdout.split("resumed from")[1].splitlines()[0]
+    named = run([sys.executable, "train_ddp.py", f"data.dir={data_dir}", *EIGHT_STEPS,
+                 f"checkpoint.resume={tmp_path}/ckpt/step_000008", f"out_dir={tmp_path}/b", f"checkpoint.dir={tmp_path}/b/c"])
+    assert_one_line_error(named, "step_000008 is damaged")
+
+
+class RunsCode:
+    """A pickle that would run a shell command when loaded by a loader that trusts it."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_checkpoint_holding_pickled_code_is_refused_and_the_code_never_runs(trained_run, data_dir, tmp_path):
+    out, _ = trained_run
+    shutil.copytree(out / "ckpt" / "step_000004", tmp_path / "ckpt" / "step_000004")
+    marker = tmp_path / "code_ran"
+    state_file = tmp_path / "ckpt" / "step_000004" / "train_state.pt"
+    torch.save({"step": 4, "payload": RunsCode(marker)}, state_file)
+    train_ddp.write_checksums(state_file.parent, ["model.pt", "optimizer.pt", "train_state.pt"])  # passes the checksum
+    result = run([sys.executable, "train_ddp.py", f"data.dir={data_dir}", *EIGHT_STEPS, f"out_dir={tmp_path}",
+                  f"checkpoint.dir={tmp_path}/ckpt"])
+    assert_one_line_error(result, "cannot load checkpoint")
+    assert not marker.exists()
+
+
+def test_resume_says_what_changed_applies_it_and_refuses_to_run_no_step(trained_run, data_dir, tmp_path):
+    out, _ = trained_run
+    shutil.copytree(out / "ckpt", tmp_path / "ckpt")
+    done = run([sys.executable, "train_ddp.py", f"data.dir={data_dir}", *EIGHT_STEPS, f"out_dir={tmp_path}",
+                f"checkpoint.dir={tmp_path}/ckpt"])
+    assert_one_line_error(done, "is at step 8, train.max_steps is 8: nothing left to train")
+    changed = run([sys.executable, "train_ddp.py", f"data.dir={data_dir}", *EIGHT_STEPS, "optim.lr=5e-3",
+                   "train.max_steps=9", f"out_dir={tmp_path}", f"checkpoint.dir={tmp_path}/ckpt", "export=false"])
+    assert changed.returncode == 0, changed.stderr[-2000:]
+    assert "optim.lr 0.01 -> 0.005" in changed.stdout and "train.max_steps 8 -> 9" in changed.stdout
+    cfg = train_ddp.load_config([*EIGHT_STEPS, "optim.lr=5e-3", "train.max_steps=9"], use_cuda=False)
+    assert read_metrics(tmp_path, "train")[-1]["lr"] == pytest.approx(5e-3 * train_ddp.lr_factor(8, cfg))
+
+
+def test_ranks_that_do_not_share_checkpoint_dir_are_stopped_before_training(data_dir, tmp_path):
+    """Two torchrun "nodes" on this machine, each in its own working directory: a relative checkpoint.dir is
+    then a different directory on each, as a node-local disk would be."""
+    port = free_port()
+    processes = []
+    for node in (0, 1):
+        (tmp_path / f"node{node}").mkdir()
+        command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+                   "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
+                   str(REPO / "train_ddp.py"), f"data.dir={data_dir}", *EIGHT_STEPS, "checkpoint.dir=ckpt", "out_dir=out"]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        processes.append(subprocess.Popen(command, cwd=tmp_path / f"node{node}", env=env, stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, text=True))
+    outputs = [process.communicate(timeout=240)[0] for process in processes]
+    assert all(process.returncode != 0 for process in processes)
+    errors = [line for line in outputs[0].splitlines() if line.startswith("error:")]
+    assert errors and "rank 1: checkpoint.dir=ckpt is not the directory rank 0 writes to" in errors[0], outputs[0]
+    assert not (tmp_path / "node0" / "out" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("meta_text, fragment", [
+    ("[1, 2]", "has format version None"),
+    ('{"format_version": 1, "vocab_size": 400}', "lacks splits.train/val.files"),
+])
+def test_a_malformed_meta_json_is_a_one_line_error(meta_text, fragment, tmp_path):
+    (tmp_path / "meta.json").write_text(meta_text)
+    with pytest.raises(train_ddp.UserError, match=re.escape(fragment)):
+        train_ddp.read_meta(tmp_path)
+
+
+def test_token_ids_beyond_the_vocabulary_are_found_when_the_data_is_opened(data_dir, tmp_path):
+    copy = tmp_path / "data"
+    shutil.copytree(data_dir, copy)
+    meta = train_ddp.read_meta(copy)
+    meta["vocab_size"] = 50  # the tokenizer's ids go up to ~400
+    with pytest.raises(train_ddp.UserError, match="holds token id .* but the vocabulary has 50 tokens"):
+        train_ddp.ArrowTokens(copy, meta, "train", "causal", 64, meta["special_tokens"])
 
 
 # ----------------------------------------------------------------------------- train_fsdp.py

@@ -24,16 +24,21 @@ import difflib
 import json
 import math
 import os
+import pickle
 import re
+import secrets
 import shutil
+import signal
 import sys
 import time
+import zlib
 from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute  # noqa: F401  (pa.compute)
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -61,6 +66,12 @@ def die(message):
     raise UserError(message)
 
 
+def unloadable(error):
+    if isinstance(error, pickle.UnpicklingError):  # weights_only=True met a class or function: it is never run
+        return "it holds pickled objects other than tensors and plain data; loading refuses them"
+    return first_line(error)
+
+
 def first_line(error):
     """An exception's first line, for a one-line message (some exceptions have an empty text)."""
     return (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
@@ -69,6 +80,20 @@ def first_line(error):
 def log0(*values):
     if int(os.environ.get("RANK", "0")) == 0:
         print(*values, flush=True)
+
+
+def fault(kind, rank, step):
+    """Test-only fault injection, off unless FAULT=kind:rank:step is set: true where that rank should
+    misbehave at that step (kill, kill-in-save, hang, nan), on a job's first attempt only (torchrun counts
+    restarts in TORCHELASTIC_RESTART_COUNT), so a restarted job runs clean."""
+    spec = os.environ.get("FAULT")
+    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return False
+    try:
+        want_kind, want_rank, want_step = spec.split(":")
+        return (want_kind, int(want_rank), int(want_step)) == (kind, rank, step)
+    except ValueError:
+        die(f"FAULT={spec} is not kind:rank:step -> e.g. FAULT=kill:1:7 (kinds: kill, kill-in-save, hang, nan)")
 
 
 def main():
@@ -166,6 +191,10 @@ def main():
 
     # ------------------------------------------------------------------------- 6. checkpoint
     ckpt_dir = Path(cfg.checkpoint.dir)
+    if world_size > 1 and cfg.checkpoint.every > 0:  # every rank must see the directory rank 0 writes
+        token = on_rank0(write_marker, ckpt_dir)
+        on_all_ranks(check_marker, ckpt_dir, token)
+        on_rank0(remove_marker, ckpt_dir, token)
     # Rank 0 alone picks the checkpoint: ranks that list the directory themselves can see different files
     # (network filesystems cache directory listings) and would then train different weights, silently.
     resume_dir = on_rank0(find_resume_checkpoint, ckpt_dir, cfg.checkpoint.resume)
@@ -174,7 +203,14 @@ def main():
         train_state = on_all_ranks(load_train_state, resume_dir, scheduler, scaler, cfg)
         load_weights(resume_dir, raw_model, optimizer)  # collective: DCP raises on every rank alike
         step, samples_seen, tokens_seen = train_state["step"], train_state["samples_seen"], train_state["tokens_seen"]
+        if step >= cfg.train.max_steps:
+            die(f"{resume_dir} is at step {step}, train.max_steps is {cfg.train.max_steps}: nothing left to train -> "
+                "raise train.max_steps to go on, or start afresh in a new checkpoint.dir (or checkpoint.resume=never)")
         restore_rng(train_state["rng"], rank, cfg.train.seed, step)
+        apply_settings(optimizer, scheduler, cfg, step)
+        changed = changed_settings(train_state["config"], cfg)
+        if changed:
+            log0(f"note: changed since the checkpoint, this run's values apply: {', '.join(changed)}")
         if train_state.get("data_fingerprint") != meta.get("fingerprint"):
             log0(f"warning: {data_dir} was rebuilt since {resume_dir} was written; the data position may not match")
         log0(f"resumed from {resume_dir}: step {step}, {samples_seen:,} samples, {tokens_seen:,} tokens seen")
@@ -189,24 +225,27 @@ def main():
     # the loss in its own compiled graph: the fp32 upcast, log-softmax and gather fuse into few kernels
     loss_of = torch.compile(token_loss_sum) if use_compile else token_loss_sum
     out_dir = Path(cfg.out_dir)
-    metrics_file = None
-    if rank == 0:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        metrics_file = open(out_dir / "metrics.jsonl", "a")  # append: a resumed run continues the same file
-        metrics_file.write(json.dumps({"kind": "start", "step": step, "world_size": world_size, "time": time.time()}) + "\n")
+    metrics_file = on_rank0(open_metrics, out_dir, step, share_result=False)
+    write_metrics(metrics_file, {"kind": "start", "step": step, "world_size": world_size, "time": time.time()})
     peak_flops = peak_flops_per_gpu(device, cfg.log.peak_tflops)
     if step == 0:
+        log0(f"step 0 | validation on {cfg.train.eval_batches} global batches (the first steps include compilation)")
         val_loss = evaluate(model, val_data, cfg, world_size, rank, device, autocast)
         log0(f"step 0 | val loss {val_loss:.4f}")
         write_metrics(metrics_file, {"kind": "val", "step": 0, "val_loss": val_loss})
 
+    stop_requested = catch_stop_signals()  # SIGTERM or SIGINT: finish the step, write a checkpoint, stop
     model.train()
     interval_loss_sum = torch.zeros((), device=device, dtype=torch.float64)  # this rank's, stays on the GPU
-    interval_steps, interval_input_tokens, interval_label_tokens = 0, 0, 0
-    interval_start, paused_s = time.perf_counter(), 0.0
+    interval_steps, interval_input_tokens, interval_label_tokens, interval_skipped = 0, 0, 0, 0
+    interval_start, paused_s, bad_steps_in_a_row = time.perf_counter(), 0.0, 0
+    next_batches = rank_batches(train_data, samples_seen, cfg.train.seed, cfg, world_size, rank, device)
     while step < cfg.train.max_steps:
-        micro_batches, step_input_tokens, step_label_tokens = rank_batches(
-            train_data, samples_seen, cfg.train.seed, cfg, world_size, rank, device)
+        micro_batches, step_input_tokens, step_label_tokens = next_batches
+        if fault("kill", rank, step + 1):  # FAULT
+            os.kill(os.getpid(), signal.SIGKILL)  # FAULT
+        if fault("hang", rank, step + 1):  # FAULT
+            time.sleep(10**6)  # FAULT
         # The step's gradient must be that of the mean loss over every label token of the global batch, however
         # the batch is split into ranks and micro-batches. The common recipe (the mean of each micro-batch,
         # divided by the number of micro-batches) over-weights tokens of short micro-batches. So each micro-batch
@@ -214,6 +253,7 @@ def main():
         # from the shared batch plan: no communication, no wait for the GPU. The gradient reduction then
         # averages over ranks; the factor world_size undoes that mean.
         loss_scale = world_size / max(1, step_label_tokens)
+        step_loss_sum = torch.zeros((), device=device, dtype=torch.float64)
         for index, batch in enumerate(micro_batches):
             is_last = index == len(micro_batches) - 1
             # accumulate unsharded gradients locally (memory: a full gradient per rank until the last micro-batch);
@@ -222,35 +262,59 @@ def main():
             with autocast:
                 logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
             loss_sum = loss_of(logits, batch["labels"])
+            if fault("nan", rank, step + 1):  # FAULT
+                loss_sum = loss_sum * float("nan")  # FAULT
             scaler.scale(loss_sum * loss_scale).backward()
-            interval_loss_sum += loss_sum.detach()
+            step_loss_sum += loss_sum.detach()
+        # the next step's batches, built on the host while the GPU still runs this step's backward
+        next_batches = rank_batches(train_data, samples_seen + cfg.train.global_batch_size, cfg.train.seed, cfg,
+                                    world_size, rank, device)
         scaler.unscale_(optimizer)  # clip the true gradient, not the fp16-scaled one
         # the norm over all shards (a DTensor); full_tensor() gives every rank the same plain tensor
         grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.optim.grad_clip or float("inf")).full_tensor()
-        scaler.step(optimizer)  # fp16 only: it reads the inf/NaN check on the host, one wait for the GPU
+        # The step's one wait for the GPU, on purpose: every rank learns whether the gradient is finite and
+        # whether any rank was asked to stop, so all ranks take the same decision at the same step (a NaN on
+        # one rank reaches all through the gradient reduction; a signal may reach one rank only).
+        verdict = torch.tensor([0.0, float(bool(stop_requested))], device=device)
+        verdict[0] = grad_norm.isfinite().logical_not()
+        dist.all_reduce(verdict, op=dist.ReduceOp.MAX)
+        bad_gradient, stop_now = (value > 0 for value in verdict.tolist())
+        if bad_gradient:  # no update on any rank; the data and the schedule move on
+            bad_steps_in_a_row += 1
+            interval_skipped += 1
+            log0(f"step {step + 1} | non-finite gradient: update skipped ({bad_steps_in_a_row} in a row)")
+            if bad_steps_in_a_row >= cfg.train.max_bad_steps:
+                die(f"{bad_steps_in_a_row} steps in a row had a non-finite gradient (train.max_bad_steps="
+                    f"{cfg.train.max_bad_steps}); no update was made from them and no checkpoint holds them -> "
+                    "lower optim.lr or raise optim.warmup_steps, and check the data")
+        else:
+            bad_steps_in_a_row = 0
+            scaler.step(optimizer)  # fp16: also skips steps whose scaled gradients overflowed
+            interval_loss_sum += step_loss_sum
+            interval_label_tokens += step_label_tokens
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
-        step_lr = scheduler.get_last_lr()[0]  # the rate this step used: after scheduler.step() it is the next one's
+        step_lr = optimizer.param_groups[0]["lr"]  # the rate this step used: scheduler.step() sets the next one's
         scheduler.step()
         step += 1
         samples_seen += cfg.train.global_batch_size
         tokens_seen += step_input_tokens
         interval_steps += 1
         interval_input_tokens += step_input_tokens
-        interval_label_tokens += step_label_tokens
 
-        if step % cfg.log.every == 0 or step == cfg.train.max_steps:
+        if step % cfg.log.every == 0 or step == cfg.train.max_steps or stop_now:
             dist.all_reduce(interval_loss_sum)
-            loss = interval_loss_sum.item() / max(1, interval_label_tokens)  # waits for the GPU: the clock below
-            elapsed = time.perf_counter() - interval_start - paused_s  # then counts finished work only
+            loss_sum_value = interval_loss_sum.item()  # waits for the GPU: the clock below then counts finished work
+            loss = loss_sum_value / interval_label_tokens if interval_label_tokens else None  # None: all skipped
+            elapsed = time.perf_counter() - interval_start - paused_s
             tokens_per_sec = interval_input_tokens / elapsed
             record = {
                 "kind": "train", "step": step, "loss": loss, "grad_norm": grad_norm.item(), "lr": step_lr,
-                "tokens_per_sec": tokens_per_sec, "tokens_seen": tokens_seen,
+                "tokens_per_sec": tokens_per_sec, "tokens_seen": tokens_seen, "skipped_steps": interval_skipped,
                 "eta_s": elapsed / interval_steps * (cfg.train.max_steps - step),
             }
-            line = (f"step {step}/{cfg.train.max_steps} | loss {loss:.4f} | lr {step_lr:.2e} | "
-                    f"grad {record['grad_norm']:.3f} | {tokens_per_sec / 1e3:.1f}k tok/s")
+            line = (f"step {step}/{cfg.train.max_steps} | loss {'n/a' if loss is None else f'{loss:.4f}'} | "
+                    f"lr {step_lr:.2e} | grad {record['grad_norm']:.3f} | {tokens_per_sec / 1e3:.1f}k tok/s")
             if peak_flops:
                 record["mfu"] = flops_per_token * tokens_per_sec / (peak_flops * world_size)
                 line += f" | MFU {100 * record['mfu']:.1f}%"
@@ -264,11 +328,12 @@ def main():
             log0(line + f" | ETA {format_seconds(record['eta_s'])}")
             write_metrics(metrics_file, record)
             interval_loss_sum.zero_()
-            interval_steps, interval_input_tokens, interval_label_tokens = 0, 0, 0
+            interval_steps, interval_input_tokens, interval_label_tokens, interval_skipped = 0, 0, 0, 0
             interval_start, paused_s = time.perf_counter(), 0.0
 
-        evaluate_now = step % cfg.train.eval_every == 0 or step == cfg.train.max_steps
-        save_now = cfg.checkpoint.every > 0 and (step % cfg.checkpoint.every == 0 or step == cfg.train.max_steps)
+        evaluate_now = (step % cfg.train.eval_every == 0 or step == cfg.train.max_steps) and not stop_now
+        save_now = cfg.checkpoint.every > 0 and (step % cfg.checkpoint.every == 0 or step == cfg.train.max_steps
+                                                 or stop_now)
         if evaluate_now or save_now:  # validation and checkpoints are not training throughput
             if use_cuda:
                 torch.cuda.synchronize()  # the step's own GPU work counts as training time, not as the pause
@@ -278,6 +343,8 @@ def main():
                 log0(f"step {step} | val loss {val_loss:.4f}")
                 write_metrics(metrics_file, {"kind": "val", "step": step, "val_loss": val_loss})
             if save_now:
+                if not weights_are_finite(raw_model):  # the skipped steps above keep this from happening
+                    die(f"the weights are not finite at step {step}: no checkpoint written -> lower optim.lr")
                 rng_states = [None] * world_size
                 dist.all_gather_object(rng_states, rng_state(use_cuda))
                 train_state = {
@@ -292,7 +359,13 @@ def main():
                     finish_checkpoint(checkpoint_in_flight, ckpt_dir, cfg.checkpoint.keep)
                     checkpoint_in_flight = None
             paused_s += time.perf_counter() - pause_start
+        if stop_now:
+            saved = f"checkpoint {ckpt_dir / f'step_{step:06d}'} is written" if save_now else "no checkpoint (checkpoint.every=0)"
+            die(f"stopped at step {step} by a stop signal (SIGTERM or SIGINT); {saved} -> run the same command "
+                "again to resume from the newest checkpoint")
 
+    if cfg.export and not weights_are_finite(raw_model):
+        die("the trained weights are not finite: not exported -> lower optim.lr")
     if checkpoint_in_flight:
         finish_checkpoint(checkpoint_in_flight, ckpt_dir, cfg.checkpoint.keep)
     if cfg.export:  # every rank sends its shards; only rank 0 holds the whole model, in CPU memory
@@ -328,6 +401,7 @@ RANGES = {
     "train.eval_every": (lambda v: v >= 1, "of at least 1"),
     "train.eval_batches": (lambda v: v >= 1, "of at least 1"),
     "train.mlm_probability": (lambda v: 0 < v < 1, "between 0 and 1"),
+    "train.max_bad_steps": (lambda v: v >= 1, "of at least 1"),
     "optim.lr": (lambda v: v > 0, "above 0"),
     "optim.min_lr": (lambda v: v >= 0, "of at least 0"),
     "optim.warmup_steps": (lambda v: v >= 0, "of at least 0"),
@@ -511,6 +585,13 @@ def read_meta(data_dir):
     if not isinstance(meta, dict) or meta.get("format_version") != 1:
         version = meta.get("format_version") if isinstance(meta, dict) else None
         die(f"{meta_path} has format version {version}, this trainer reads 1 -> rebuild with --force")
+    splits, special = meta.get("splits"), meta.get("special_tokens")
+    if (not isinstance(splits, dict) or not all(isinstance(splits.get(name), dict) and isinstance(splits[name].get("files"), list)
+                                                for name in ("train", "val"))
+            or not isinstance(meta.get("vocab_size"), int) or not isinstance(special, dict)
+            or not all(isinstance(special.get(role), int) for role in ("eot", "pad", "mask", "cls", "sep"))):
+        die(f"{meta_path} lacks splits.train/val.files, vocab_size or special_tokens (eot, pad, mask, cls, sep) -> "
+            f"rebuild it: python preprocess.py --out {data_dir} --force")
     return meta
 
 
@@ -532,9 +613,15 @@ class ArrowTokens:
                 table = pa.ipc.open_file(pa.memory_map(str(data_dir / name))).read_all()
             except (OSError, pa.ArrowInvalid) as error:
                 die(f"cannot read {data_dir / name} ({error}) -> rebuild: python preprocess.py --out {data_dir} --force")
+            if "input_ids" not in table.column_names:
+                die(f"{data_dir / name} has no input_ids column -> rebuild: python preprocess.py --out {data_dir} --force")
             for chunk in table.column("input_ids").chunks:
                 if len(chunk) == 0:
                     continue
+                largest = pa.compute.max(chunk.values).as_py()  # one pass over the tokens, in Arrow's C++
+                if largest is not None and largest >= self.vocab_size:
+                    die(f"{data_dir / name} holds token id {largest}, but the vocabulary has {self.vocab_size} "
+                        f"tokens -> rebuild the data with its tokenizer: python preprocess.py --out {data_dir} --force")
                 self.pieces.append(chunk.values.to_numpy(zero_copy_only=True))
                 self.doc_offsets.append(chunk.offsets.to_numpy())
                 self.piece_starts.append(stream_length)
@@ -836,7 +923,7 @@ def lr_factor(step, cfg):
 
 # ----------------------------------------------------------------------------- 6. checkpoint (helpers)
 
-CHECKPOINT_FILES = [".metadata", "train_state.pt"]  # DCP writes .metadata last, after every rank's shards
+CHECKPOINT_FILES = [".metadata", "train_state.pt", "checksums.json"]  # DCP writes .metadata after every shard
 
 
 def is_complete(path):
@@ -857,7 +944,11 @@ def complete_checkpoints(ckpt_dir):
 
 
 def find_resume_checkpoint(ckpt_dir, resume):
-    """resume=auto: the newest complete checkpoint (the `latest` pointer, else a scan); never; or a path."""
+    """resume=auto: the newest intact checkpoint (the `latest` pointer first, then newest to oldest: a damaged
+    one is passed over, and the log says so); never; or a path, which must be intact."""
+    for leftover in list(ckpt_dir.glob(".tmp-step_*")) + list(ckpt_dir.glob(".latest-*")) if ckpt_dir.is_dir() else []:
+        log0(f"removing {leftover}, left by a run that stopped while writing a checkpoint")
+        shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
     existing = complete_checkpoints(ckpt_dir)
     if resume == "never":
         if existing:
@@ -866,17 +957,81 @@ def find_resume_checkpoint(ckpt_dir, resume):
         return None
     if resume == "auto":
         pointer = ckpt_dir / "latest"
-        if pointer.is_file() and is_complete(ckpt_dir / pointer.read_text().strip()):
-            return ckpt_dir / pointer.read_text().strip()
-        return existing[-1] if existing else None
+        pointed = [ckpt_dir / pointer.read_text().strip()] if pointer.is_file() else []
+        for candidate in [p for p in pointed if is_complete(p)] + existing[::-1]:
+            damage = checksum_mismatch(candidate)
+            if damage is None:
+                return candidate
+            log0(f"warning: {candidate} is damaged ({damage}); trying the next older checkpoint")
+        if existing:
+            die(f"every checkpoint in {ckpt_dir} is damaged -> move them away to start afresh, or restore one")
+        return None
     if not is_complete(Path(resume)):
         die(f"checkpoint.resume={resume} is not a complete checkpoint directory (needs {', '.join(CHECKPOINT_FILES)}) "
             f"-> give a step_* directory, auto or never")
+    damage = checksum_mismatch(Path(resume))
+    if damage:
+        die(f"checkpoint.resume={resume} is damaged ({damage}) -> give another step_* directory")
     newer = [p.name for p in existing if step_of(p) > step_of(Path(resume))]
     if newer:  # this run's checkpoints would interleave with them, and pruning could delete this run's
         die(f"{ckpt_dir} holds checkpoints newer than {resume} ({', '.join(newer)}) -> set checkpoint.dir to "
             "another directory for this run")
     return Path(resume)
+
+
+def file_checksum(path):
+    """CRC-32 of a file, read in 16 MiB pieces: catches truncated and bit-flipped files (not forgery: what
+    protects against a malicious file is that loading never runs pickled code, weights_only=True)."""
+    checksum = 0
+    with open(path, "rb") as file:
+        while piece := file.read(1 << 24):
+            checksum = zlib.crc32(piece, checksum)
+    return checksum
+
+
+def write_checksums(directory, names, known=None):
+    """checksums.json: the CRC-32 of each named file (known: ones computed elsewhere), synced to disk."""
+    checksums = {**(known or {}), **{name: file_checksum(directory / name) for name in names}}
+    with open(directory / "checksums.json", "w") as file:
+        json.dump(checksums, file, indent=1)
+        file.flush()
+        os.fsync(file.fileno())
+
+
+def checksum_mismatch(path):
+    """None if every file listed in path/checksums.json has its checksum, else what is wrong."""
+    try:
+        checksums = json.loads((path / "checksums.json").read_text())
+        for name, expected in checksums.items():
+            if not (path / name).is_file():
+                return f"{name} is missing"
+            if file_checksum(path / name) != expected:
+                return f"{name} does not match its checksum"
+    except (OSError, ValueError, AttributeError) as error:
+        return f"checksums.json is unreadable: {first_line(error)}"
+    return None
+
+
+def write_marker(ckpt_dir):
+    """A file with a random name and content in checkpoint.dir; check_marker on every rank must find it."""
+    token = secrets.token_hex(8)
+    try:
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        (ckpt_dir / f".shared-{token}").write_text(token)
+    except OSError as error:
+        die(f"cannot write to checkpoint.dir={ckpt_dir} ({error}) -> set checkpoint.dir to a writable directory")
+    return token
+
+
+def check_marker(ckpt_dir, token):
+    marker = ckpt_dir / f".shared-{token}"
+    if not marker.is_file() or marker.read_text() != token:
+        die(f"checkpoint.dir={ckpt_dir} is not the directory rank 0 writes to (its marker file is not there) -> put "
+            "checkpoint.dir on a filesystem that every node mounts at the same path")
+
+
+def remove_marker(ckpt_dir, token):
+    (ckpt_dir / f".shared-{token}").unlink(missing_ok=True)
 
 
 def fsync_dir(path):
@@ -902,6 +1057,8 @@ def start_checkpoint(ckpt_dir, step, raw_model, optimizer, train_state, async_gr
         dcp.save(state, checkpoint_id=temporary)
     except CheckpointException as error:  # raised on every rank when any rank fails
         die(f"cannot write checkpoint to {ckpt_dir} ({first_line(error)}) -> free disk space or set checkpoint.dir")
+    if fault("kill-in-save", dist.get_rank(), step):  # FAULT
+        os.kill(os.getpid(), signal.SIGKILL)  # FAULT
     return None, temporary
 
 
@@ -924,7 +1081,11 @@ def finish_checkpoint(saving, ckpt_dir, keep):
     future, temporary = saving
     if future is not None:
         on_all_ranks(wait_for_write, future, ckpt_dir)
-    on_rank0(publish_checkpoint, temporary, ckpt_dir, keep)
+    # each rank checksums the shard files it wrote (DCP names them __<rank>_<n>.distcp); rank 0 lists them all
+    shard_checksums = [None] * dist.get_world_size()
+    dist.all_gather_object(shard_checksums, {path.name: file_checksum(path)
+                                             for path in temporary.glob(f"__{dist.get_rank()}_*.distcp")})
+    on_rank0(publish_checkpoint, temporary, ckpt_dir, keep, {k: v for part in shard_checksums for k, v in part.items()})
     log0(f"checkpoint {ckpt_dir / temporary.name.replace('.tmp-', '')} written")
 
 
@@ -935,12 +1096,13 @@ def wait_for_write(future, ckpt_dir):
         die(f"cannot write checkpoint to {ckpt_dir} ({first_line(error)}) -> free disk space or set checkpoint.dir")
 
 
-def publish_checkpoint(temporary, ckpt_dir, keep):
+def publish_checkpoint(temporary, ckpt_dir, keep, shard_checksums):
     """Rename: a crash mid-write never leaves a checkpoint that resume=auto would pick. The `latest` pointer
     moves only after the rename; old ones go last. DCP fsyncs each file it writes (FileSystemWriter's
     sync_files, on by default)."""
     final = ckpt_dir / temporary.name.replace(".tmp-", "")
     try:
+        write_checksums(temporary, [".metadata", "train_state.pt"], known=shard_checksums)
         fsync_dir(temporary)
         if final.exists():  # only an incomplete leftover can be there: resume refuses dirs with newer checkpoints
             shutil.rmtree(final)
@@ -967,10 +1129,17 @@ def load_train_state(path, scheduler, scaler, cfg):
                     f"{key}={this_config[key]} -> pass {key}={saved_config.get(key)}, or use another checkpoint.dir")
         scheduler.load_state_dict(train_state["scheduler"])
         scaler.load_state_dict(train_state["scaler"])
-    except (OSError, RuntimeError, KeyError, ValueError, EOFError, TypeError) as error:
-        die(f"cannot load checkpoint {path} ({first_line(error)}) -> "
+    except (OSError, RuntimeError, KeyError, ValueError, EOFError, TypeError, pickle.UnpicklingError) as error:
+        die(f"cannot load checkpoint {path} ({unloadable(error)}) -> "
             "point checkpoint.resume at another step_* directory, or use a new checkpoint.dir")
     return train_state
+
+
+def weights_are_finite(raw_model):
+    """Each rank checks its shards, then all agree; one wait for the GPU, only before a checkpoint or the export."""
+    finite = torch.stack([torch.isfinite(p.to_local()).all() for p in raw_model.parameters()]).all().float()
+    dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+    return bool(finite)
 
 
 def load_weights(path, raw_model, optimizer):
@@ -984,6 +1153,21 @@ def load_weights(path, raw_model, optimizer):
         die(f"cannot load checkpoint {path} ({first_line(error)}) -> "
             "point checkpoint.resume at another step_* directory, or use a new checkpoint.dir")
     set_state_dict(raw_model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def apply_settings(optimizer, scheduler, cfg, step):
+    """After a resume, this run's optimizer settings win over the checkpoint's (load_state_dict restored those)."""
+    for group, weight_decay in zip(optimizer.param_groups, [cfg.optim.weight_decay, 0.0]):
+        group.update(betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps, weight_decay=weight_decay,
+                     initial_lr=cfg.optim.lr, lr=cfg.optim.lr * lr_factor(step, cfg))
+    scheduler.base_lrs = [cfg.optim.lr] * len(optimizer.param_groups)
+
+
+def changed_settings(saved_config, cfg):
+    """`key old -> new` for the training settings that differ from the checkpoint's."""
+    where_not_a_change = ("out_dir", "export", "data.dir", "checkpoint.", "log.", "dist.")
+    return [f"{key} {saved_config[key]} -> {value}" for key, value in config_dict(cfg).items()
+            if key in saved_config and saved_config[key] != value and not key.startswith(where_not_a_change)]
 
 
 def rng_state(use_cuda):
@@ -1024,6 +1208,47 @@ def evaluate(model, val_data, cfg, world_size, rank, device, autocast):
     dist.all_reduce(loss_sum)
     model.train()
     return loss_sum.item() / max(1, label_tokens)
+
+
+def catch_stop_signals():
+    """SIGTERM (a scheduler's preemption notice; torchrun passes one on to every worker, then kills them 30 s
+    later, the TORCH_ELASTIC_SHUTDOWN_TIMEOUT of torch 2.13, fixed in 2.11) and SIGINT (Ctrl-C) ask for a clean
+    stop: the list returned gets the signal's name, and the training loop stops every rank at the end of the
+    same step, after a checkpoint. A second signal stops at once."""
+    requested = []
+
+    def on_signal(number, frame):
+        if requested:
+            signal.signal(number, signal.SIG_DFL)
+            os.kill(os.getpid(), number)
+        requested.append(signal.Signals(number).name)
+
+    for number in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(number, on_signal)
+    return requested
+
+
+def open_metrics(out_dir, step):
+    """metrics.jsonl, kept across restarts. Records past `step`, the checkpoint this run resumes from, go:
+    those steps run again, and would otherwise appear twice."""
+    path = out_dir / "metrics.jsonl"
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        if path.exists():
+            kept = []
+            for line in path.read_text().splitlines():
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a line cut short by a crash
+                if record.get("kind") == "start" or record.get("step", 0) <= step:
+                    kept.append(line + "\n")
+            temporary = out_dir / f".metrics-{os.getpid()}.jsonl"
+            temporary.write_text("".join(kept))
+            os.replace(temporary, path)
+        return open(path, "a")
+    except OSError as error:
+        die(f"cannot write {path} ({error}) -> set out_dir to a writable directory")
 
 
 def write_metrics(metrics_file, record):
@@ -1107,6 +1332,28 @@ def export_final(raw_model, data_dir, meta, final_dir, task, cfg, device):
         print("sample:\n" + tokenizer.decode(generated[0].tolist(), skip_special_tokens=True), flush=True)
 
 
+def report_lost_ranks(error):
+    """A collective failed (a rank stopped answering for dist.timeout_s, or died): one line saying which
+    timeout fired and, where the others can tell, which ranks stopped answering."""
+    rank, text = dist.get_rank(), first_line(error)
+    if "timed out" not in text.lower() and "timeout" not in text.lower():
+        print(f"error: rank {rank} lost contact with another rank ({text}) -> look above for the first rank that "
+              "failed; launch.sh restarts the job from the last checkpoint (MAX_RESTARTS)", file=sys.stderr, flush=True)
+        return
+    silent = "unknown"
+    try:  # the ranks that timed out say so in torchrun's store; the others are the ones that stopped answering
+        store = dist.distributed_c10d._get_default_store()
+        store.set(f"timed_out/{rank}", "1")
+        time.sleep(3)
+        silent = [other for other in range(dist.get_world_size()) if not store.check([f"timed_out/{other}"])] or "none"
+    except Exception:  # the store went with the failure: say nothing about ranks rather than something wrong
+        pass
+    print(f"error: rank {rank}: a collective waited longer than dist.timeout_s; ranks that stopped answering: "
+          f"{silent} -> look at "
+          "their logs (a hang, a deadlock, a dead node); raise dist.timeout_s if they are only slow",
+          file=sys.stderr, flush=True)
+
+
 if __name__ == "__main__":
     try:
         main()
@@ -1116,3 +1363,9 @@ if __name__ == "__main__":
         if dist.is_initialized():
             dist.destroy_process_group()
         sys.exit(2)
+    except (dist.DistError, RuntimeError) as error:
+        # gloo reports a timeout or a lost peer as a plain RuntimeError; anything else is a bug: traceback
+        if not dist.is_initialized() or not any(word in str(error) for word in ("gloo", "NCCL", "Timed out", "Connection")):
+            raise
+        report_lost_ranks(error)
+        sys.exit(1)
