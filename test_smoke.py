@@ -750,6 +750,29 @@ def test_fsdp_resume_continues_exactly_and_on_other_world_sizes_from_the_same_sa
             assert all(torch.allclose(final_a[name], final_b[name], rtol=1e-3, atol=1e-5) for name in final_a)
 
 
+def test_fsdp_recovers_from_a_kill_while_writing_a_sharded_checkpoint(fsdp_run, data_dir, tmp_path):
+    """Rank 1 dies after writing its shards of the step-8 checkpoint, before it is published: the restarted
+    job resumes from step 4 and ends with the uninterrupted run's weights."""
+    from safetensors.torch import load_file
+    out, _ = fsdp_run
+    result = run(["bash", "launch.sh", "train_fsdp.py", f"data.dir={data_dir}", *FSDP_STEPS, f"out_dir={tmp_path}",
+                  f"checkpoint.dir={tmp_path}/ckpt"],
+                 env_extra={"MASTER_PORT": str(free_port()), "FAULT": "kill-in-save:1:8", "MAX_RESTARTS": "1"})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert ".tmp-step_000008" in result.stdout and "resumed from" in result.stdout
+    assert [t["step"] for t in read_metrics(tmp_path, "train")] == list(range(1, 9))
+    assert train_ddp.checksum_mismatch(tmp_path / "ckpt" / "step_000008") is None
+    reference, recovered = load_file(out / "final" / "model.safetensors"), load_file(tmp_path / "final" / "model.safetensors")
+    assert all(torch.equal(reference[name], recovered[name]) for name in reference)
+
+
+def test_fsdp_a_nan_on_one_rank_skips_that_step_on_every_rank(data_dir, tmp_path):
+    result = torchrun(2, "train_fsdp.py", f"data.dir={data_dir}", *FSDP_STEPS, "train.max_steps=4", "checkpoint.every=0",
+                      "export=false", f"out_dir={tmp_path}", f"checkpoint.dir={tmp_path}/ckpt", env_extra={"FAULT": "nan:0:2"})
+    assert "step 2 | non-finite gradient: update skipped (1 in a row)" in result.stdout
+    assert [t["skipped_steps"] for t in read_metrics(tmp_path, "train")] == [0, 1, 0, 0]
+
+
 def test_fsdp_ranks_hold_a_shard_each_and_the_export_gives_the_trained_logits(tmp_path):
     """Each of 2 ranks holds half the parameters and half the AdamW state; the exported directory loads with
     AutoModelForCausalLM and computes the logits the sharded model computed."""
