@@ -834,6 +834,49 @@ def test_known_special_token_names_are_found_in_other_tokenizers(tmp_path, corpu
     assert meta["special_tokens"] == {"eot": 2, "pad": 1, "mask": 3, "cls": 0, "sep": 2}
 
 
+def test_tokenizer_with_truncation_and_padding_is_used_with_both_turned_off(tmp_path, corpus):
+    """Pretrained tokenizer.json files often have them on; left on, every document would be cut to
+    max_length tokens and padded with pad ids inside the token stream."""
+    inputs, documents = corpus
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.train_from_iterator([text for _, text in documents], trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>", "<|pad|>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer.save(str(tmp_path / "plain.json"))
+    tokenizer.enable_truncation(max_length=8)
+    tokenizer.enable_padding(pad_id=1, pad_token="<|pad|>", length=16)
+    tokenizer.save(str(tmp_path / "truncating.json"))
+
+    plain, truncating = tmp_path / "from_plain", tmp_path / "from_truncating"
+    assert run_preprocess("--input", *inputs, "--out", plain, "--tokenizer", tmp_path / "plain.json").returncode == 0
+    result = run_preprocess("--input", *inputs, "--out", truncating, "--tokenizer", tmp_path / "truncating.json")
+    assert result.returncode == 0, result.stderr
+    said = [line for line in result.stdout.splitlines() if "turned off" in line]
+    assert len(said) == 1 and "truncation to 8 tokens and padding enabled" in said[0], result.stdout
+    for split in ("train", "val"):
+        assert read_rows(truncating, split) == read_rows(plain, split)
+    assert max(map(len, read_rows(truncating, "train"))) > 16  # long documents kept whole
+    copied = Tokenizer.from_file(str(truncating / "tokenizer.json"))
+    assert copied.truncation is None and copied.padding is None
+
+
+@pytest.mark.parametrize("val_fraction, warning", [(0, "the val split is empty"), (0.05, "the val split is tiny"),
+                                                   (0.5, None)])
+def test_an_empty_or_tiny_val_split_gets_one_warning_line_and_exit_0(tmp_path, val_fraction, warning):
+    corpus = tmp_path / "corpus.jsonl"  # 400 documents of ~80 tokens: 5% held out is tiny, 50% is not
+    corpus.write_text("".join(json.dumps({"text": f"document {i}: " + " ".join(f"w{i * j % 97}" for j in range(30))})
+                              + "\n" for i in range(400)))
+    result = run_preprocess("--input", corpus, "--out", tmp_path / "out", "--vocab-size", 300,
+                            "--val-fraction", val_fraction)
+    assert result.returncode == 0, result.stderr
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == (1 if warning else 0), result.stderr
+    if warning:
+        assert warnings[0].startswith(f"warning: {warning}") and " -> " in warnings[0]
+    assert (tmp_path / "out" / "meta.json").exists()
+
+
 def test_shards_hold_at_most_shard_tokens_and_empty_split_gets_one_empty_file(tmp_path, corpus):
     inputs, _ = corpus
     whole, sharded = tmp_path / "whole", tmp_path / "sharded"
@@ -891,16 +934,33 @@ def bad_input_args(case, tmp_path):
         return ["--input", jsonl, "--tokenizer", tmp_path / "garbage.json"]
     if case == "vocab_size_too_small":
         return ["--input", jsonl, "--vocab-size", 100]
+    if case == "out_below_a_file":
+        (tmp_path / "a_file").write_text("")
+        return ["--input", jsonl, "--out", tmp_path / "a_file" / "data"]
+    if case == "only_empty_documents":
+        (tmp_path / "d").mkdir()
+        (tmp_path / "d" / "empty.txt").write_text("")
+        return ["--input", tmp_path / "d"]
+    if case == "everything_held_out":  # the train split would be empty
+        return ["--input", jsonl, "--val-fraction", 1]
+    if case == "option_value_not_a_number":
+        return ["--input", jsonl, "--val-fraction", "two percent"]
+    if case in ("config_data_not_a_mapping", "config_value_a_list"):
+        config = tmp_path / "config.yaml"
+        config.write_text("data: [1, 2]\n" if case == "config_data_not_a_mapping" else "data:\n  val_fraction: [0.1]\n")
+        return ["--input", jsonl, "--config", config]
     raise ValueError(case)
 
 
 @pytest.mark.parametrize("case", ["missing_input", "directory_without_matching_files", "jsonl_line_not_json",
                                   "jsonl_line_without_field", "jsonl_line_not_json_found_while_writing",
-                                  "parquet_without_column", "unreadable_tokenizer", "vocab_size_too_small"])
+                                  "parquet_without_column", "unreadable_tokenizer", "vocab_size_too_small",
+                                  "out_below_a_file", "only_empty_documents", "everything_held_out",
+                                  "option_value_not_a_number", "config_data_not_a_mapping", "config_value_a_list"])
 def test_bad_input_is_one_error_line_exit_2_and_no_output(tmp_path, case):
     out = tmp_path / "out"
-    # a --vocab-size in the case's own arguments wins: argparse keeps the last one
-    result = run_preprocess("--vocab-size", 300, *bad_input_args(case, tmp_path), "--out", out)
+    # a --vocab-size or --out in the case's own arguments wins: argparse keeps the last one
+    result = run_preprocess("--vocab-size", 300, "--out", out, *bad_input_args(case, tmp_path))
     assert result.returncode == 2, (result.stdout, result.stderr)
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and " -> " in lines[0], result.stderr
