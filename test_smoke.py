@@ -526,7 +526,7 @@ def test_a_failed_worker_is_restarted_and_the_run_finishes(tmp_path):
 @pytest.mark.parametrize("says_why", [True, False])
 def test_a_failed_run_names_the_rank_and_its_error_line_or_its_last_stderr_lines(tmp_path, says_why):
     result = launch_script(tmp_path, RANK_1_FAILS, "says-why" if says_why else "silent",
-                           env_extra={"MAX_RESTARTS": "1"})
+                           env_extra={"MAX_RESTARTS": "0" if says_why else "1"})
     assert result.returncode != 0
     failure = [line for line in result.stderr.splitlines() if line.startswith("FAIL:")]
     assert len(failure) == 1, result.stderr
@@ -1080,4 +1080,40 @@ def test_bad_options_end_every_rank_with_one_error_line(options, message):
     errors = [line for line in output.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and message in errors[0], output
     assert 'stress_test.py", line' not in output  # no traceback of ours (torchrun prints its own summary)
+
+
+def test_json_path_that_cannot_be_written_is_refused_before_any_work(tmp_path):
+    code, output = launch_stress_test("--json", str(tmp_path / "missing_dir" / "figures.json"), "--sizes", "8",
+                                      "--skip-grad-check")
+    assert code != 0, output
+    errors = [line for line in output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "cannot write into" in errors[0] and " -> " in errors[0], output
+    assert "# stress_test:" not in output and "stress_test: PASS" not in output  # nothing was run
+    assert not (tmp_path / "missing_dir").exists()
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--n-head", "0"], "--n-head 0 is not positive"),
+    (["--vocab-size", "0"], "--vocab-size 0 is not positive"),
+    (["--model-type", "gpt2"], "--model-type gpt2 cannot be built with"),  # from_config is made to fail below
+    (["--timeout", "nan"], "both finite"),  # nan passed `<= 0`, then broke the backends' timeout at connect
+])
+def test_options_that_used_to_fail_late_are_checked_before_any_rank_connects(monkeypatch, capsys, options, message):
+    import stress_test
+    from transformers import AutoModelForCausalLM
+
+    def cannot_build(config):
+        raise AssertionError("Padding_idx must be within num_embeddings")
+    monkeypatch.setattr(AutoModelForCausalLM, "from_config", cannot_build)
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        stress_test.load_config(options, world_size=2)
+    assert exit_info.value.code == 2
+    assert not dist_is_initialized()
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("error: ") and message in error and " -> " in error and "\n" not in error
+
+
+def dist_is_initialized():
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
