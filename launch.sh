@@ -364,22 +364,25 @@ last_attempt_dir() {  # LOG_DIR/<date>-node<rank>-<pid>/<rendezvous id>_<random>
 }
 
 report_failure() {  # what failed, from torchrun's summary ("Root Cause") and the ranks' stderr files
-  local attempt_dir rank local_rank exit_code error_line stderr_file
+  local attempt_dir rank local_rank exit_code stderr_file file error_line=""
   attempt_dir=$(last_attempt_dir)
   read -r rank local_rank < <(sed -n '/Root Cause/,$ s/^ *rank *: \([0-9]*\) (local_rank: \([0-9]*\)).*/\1 \2/p' \
     "$RUN_LOG_DIR/torchrun.log" | head -n 1) || true
-  exit_code=$(sed -n '/Root Cause/,$ s/^ *exitcode *: \([^(]*\).*/\1/p' "$RUN_LOG_DIR/torchrun.log" | head -n 1)
+  exit_code=$(sed -n '/Root Cause/,$ s/^ *exitcode *: \([^ ]*\).*/\1/p' "$RUN_LOG_DIR/torchrun.log" | head -n 1)
   if [ -z "${local_rank:-}" ] || [ -z "$attempt_dir" ]; then
     echo "FAIL: torchrun exited with status $status before any worker failed -> its messages above say why (also in $RUN_LOG_DIR/torchrun.log)" >&2
     return
   fi
   stderr_file=$attempt_dir/$local_rank/stderr.log
   # the rank that failed first may have said why; if not, maybe another one did (the trainer's errors come from rank 0)
-  error_line=$(grep -h -m1 '^error:' "$stderr_file" "$attempt_dir"/*/stderr.log 2>/dev/null | head -n 1 || true)
+  for file in "$stderr_file" "$attempt_dir"/*/stderr.log; do
+    error_line=$(grep -m1 '^error:' "$file" 2>/dev/null || true)
+    [ -n "$error_line" ] && break
+  done
   if [ -n "$error_line" ]; then
-    echo "FAIL: $(basename "$SCRIPT") failed (status $status; rank $rank first, exit code ${exit_code% }): $error_line (logs: $RUN_LOG_DIR)" >&2
+    echo "FAIL: $(basename "$SCRIPT") failed: rank $rank exited first (exit code $exit_code); local rank $(basename "$(dirname "$file")") wrote \"$error_line\" (logs: $RUN_LOG_DIR)" >&2
   else
-    echo "FAIL: $(basename "$SCRIPT") failed (status $status): rank $rank (local rank $local_rank on this node) exited first, with exit code ${exit_code% } and no 'error:' line; the last lines of its stderr ($stderr_file):" >&2
+    echo "FAIL: $(basename "$SCRIPT") failed: rank $rank (local rank $local_rank on this node) exited first (exit code $exit_code) without an 'error:' line; the last lines of its stderr ($stderr_file):" >&2
     tail -n 15 "$stderr_file" | sed 's/^/    /' >&2
   fi
 }

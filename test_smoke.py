@@ -532,9 +532,10 @@ def test_a_failed_run_names_the_rank_and_its_error_line_or_its_last_stderr_lines
     assert len(failure) == 1, result.stderr
     assert "worker.py failed" in failure[0] and str(tmp_path / "logs") in failure[0]
     if says_why:
-        assert "rank 1 first, exit code 4): error: shard 7 is truncated -> run preprocess.py again" in failure[0]
+        assert ('rank 1 exited first (exit code 4); local rank 1 wrote "error: shard 7 is truncated -> run '
+                'preprocess.py again"') in failure[0]
     else:
-        assert "rank 1 (local rank 1 on this node) exited first, with exit code 4 and no 'error:' line" in failure[0]
+        assert "rank 1 (local rank 1 on this node) exited first (exit code 4) without an 'error:' line" in failure[0]
         assert "attempt_1/1/stderr.log" in failure[0]  # the last attempt: MAX_RESTARTS=1 restarted it once
         assert result.stderr.split(failure[0])[1].splitlines()[1] == "    reading shard 7"
 
