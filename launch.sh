@@ -14,7 +14,8 @@
 # MASTER_WAIT_S (how long a worker node waits for the master, 120), MIN_FREE_GB (checkpoint disk, 2),
 # MAX_RESTARTS (3: how often torchrun restarts the workers after one of them failed; the trainer then
 # resumes from its newest checkpoint), LOG_DIR (out/logs: every rank's stderr of each attempt goes to
-# LOG_DIR/<date>-node<NODE_RANK>-<pid>/), and with NNODES > 1: RDZV_ID (the job's id, the same on every
+# LOG_DIR/<date>-node<NODE_RANK>-<pid>/; a node whose workers were restarted only because another node's
+# failed rewrites its attempt_0), and with NNODES > 1: RDZV_ID (the job's id, the same on every
 # node: SLURM_JOB_ID under Slurm, else "none"), LOCAL_ADDR (this node's address as the others reach it;
 # default: the address this node reaches the master from). With NNODES > 1 torchrun numbers the nodes by
 # LOCAL_ADDR, not by NODE_RANK: rank 0, which logs and saves, runs on the node whose address sorts first.
@@ -25,7 +26,8 @@
 # once torchrun is gone. torchrun does not restart workers after a signal, whatever MAX_RESTARTS says.
 # Slurm: `#SBATCH --signal=TERM@120` asks Slurm to send SIGTERM to the job's steps (this script, torchrun
 # and the workers) about 120 s before the time limit (see sbatch(1); unchecked here, no Slurm on our
-# machines); the trainer answers SIGTERM with a checkpoint, so leave it the time one takes.
+# machines). A trainer that checkpoints on SIGTERM needs that lead to cover one checkpoint, and gets at
+# most the 30 s above before torchrun's SIGKILL.
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -338,8 +340,8 @@ stop_torchrun() {  # trap for SIGTERM and SIGINT
   kill -TERM "$TORCHRUN_PID" 2>/dev/null || true
 }
 
-# torchrun's own messages go to a file and, through tail, to stderr: its summary of a failure names the
-# rank that failed first, which the report below needs.
+# torchrun's own messages go to a file and, through tail (GNU: --pid), to stderr: its summary of a failure
+# names the rank that failed first, which the report below needs.
 echo "launching: ${TORCHRUN[*]}"
 "${TORCHRUN[@]}" 2>>"$RUN_LOG_DIR/torchrun.log" &
 TORCHRUN_PID=$!
