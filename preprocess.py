@@ -356,7 +356,8 @@ def read_data_config(config_arg):
     except (yaml.YAMLError, OSError, AttributeError) as error:
         die(f"cannot read {config_path}: {error} -> fix it: a YAML mapping with a data: section")
     if not isinstance(data, dict):
-        die(f"data: in {config_path} is a {type(data).__name__}, not a mapping -> write it as data: then indented key: value lines")
+        die(f"data: in {config_path} is a {type(data).__name__}, not a mapping -> write it as data: followed by "
+            "indented key: value lines")
     values = {}
     for key, default in DEFAULTS.items():
         value = data.get(key, default)

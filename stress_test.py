@@ -167,9 +167,10 @@ def build_model(config, args):
     try:
         return AutoModelForCausalLM.from_config(config)
     except Exception as error:  # transformers raises many kinds (ValueError, AssertionError, its validators)
+        reason = (str(error).strip() or "no message").splitlines()[0]
         die(f"--model-type {args.model_type} cannot be built with --n-layer {args.n_layer} --n-head {args.n_head} "
-            f"--n-embd {args.n_embd} --vocab-size {args.vocab_size} ({type(error).__name__}: "
-            f"{str(error).strip().splitlines()[0] if str(error).strip() else 'no message'}) -> use gpt2, llama, qwen2, ...")
+            f"--n-embd {args.n_embd} --vocab-size {args.vocab_size} ({type(error).__name__}: {reason}) "
+            "-> use gpt2, llama, qwen2, ...")
 
 
 def die(message, exit_code=2):
