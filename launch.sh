@@ -24,6 +24,8 @@
 # to every worker and SIGKILLs those still running 30 s later (torch 2.13 reads TORCH_ELASTIC_SHUTDOWN_TIMEOUT
 # instead; older versions may not: it came with pytorch PR #172596); this script exits 143 (130 after SIGINT)
 # once torchrun is gone. torchrun does not restart workers after a signal, whatever MAX_RESTARTS says.
+# (Not SIGINT when this script starts with SIGINT ignored, as background jobs of another script do: bash
+# cannot trap a signal ignored on entry. SIGTERM works there too.)
 # Slurm: `#SBATCH --signal=TERM@120` asks Slurm to send SIGTERM to the job's steps (this script, torchrun
 # and the workers) about 120 s before the time limit (see sbatch(1); unchecked here, no Slurm on our
 # machines). A trainer that checkpoints on SIGTERM needs that lead to cover one checkpoint, and gets at
