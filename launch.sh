@@ -11,7 +11,25 @@
 #
 # Environment: NNODES (1), NODE_RANK (0), MASTER_ADDR (127.0.0.1), MASTER_PORT (29500),
 # NPROC_PER_NODE (visible GPUs, or 2 without GPUs), PYTHON (python3), LAUNCH_DEVICE (auto|cuda|cpu),
-# MASTER_WAIT_S (how long a worker node waits for the master, 120), MIN_FREE_GB (checkpoint disk, 2).
+# MASTER_WAIT_S (how long a worker node waits for the master, 120), MIN_FREE_GB (checkpoint disk, 2),
+# MAX_RESTARTS (3: how often torchrun restarts the workers after one of them failed; the trainer then
+# resumes from its newest checkpoint), LOG_DIR (out/logs: every rank's stderr of each attempt goes to
+# LOG_DIR/<date>-node<NODE_RANK>-<pid>/; a node whose workers were restarted only because another node's
+# failed rewrites its attempt_0), and with NNODES > 1: RDZV_ID (the job's id, the same on every
+# node: SLURM_JOB_ID under Slurm, else "none"), LOCAL_ADDR (this node's address as the others reach it;
+# default: the address this node reaches the master from). With NNODES > 1 torchrun numbers the nodes by
+# LOCAL_ADDR, not by NODE_RANK: rank 0, which logs and saves, runs on the node whose address sorts first.
+#
+# Stopping: SIGTERM or SIGINT to this script is passed to torchrun as one SIGTERM; torchrun sends SIGTERM
+# to every worker and SIGKILLs those still running 30 s later (torch 2.13 reads TORCH_ELASTIC_SHUTDOWN_TIMEOUT
+# instead; older versions may not: it came with pytorch PR #172596); this script exits 143 (130 after SIGINT)
+# once torchrun is gone. torchrun does not restart workers after a signal, whatever MAX_RESTARTS says.
+# (Not SIGINT when this script starts with SIGINT ignored, as background jobs of another script do: bash
+# cannot trap a signal ignored on entry. SIGTERM works there too.)
+# Slurm: `#SBATCH --signal=TERM@120` asks Slurm to send SIGTERM to the job's steps (this script, torchrun
+# and the workers) about 120 s before the time limit (see sbatch(1); unchecked here, no Slurm on our
+# machines). A trainer that checkpoints on SIGTERM needs that lead to cover one checkpoint, and gets at
+# most the 30 s above before torchrun's SIGKILL.
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -29,14 +47,16 @@ for arg in "$@"; do
   esac
 done
 [ -f "$SCRIPT" ] || SCRIPT=$HERE/$(basename "$SCRIPT")
-IS_TRAINER=1
-case "$(basename "$SCRIPT")" in stress_test.py) IS_TRAINER=0 ;; esac
+IS_TRAINER=0  # a trainer gets the config, data and checkpoint checks; any other script is launched as is
+case "$(basename "$SCRIPT")" in train_*.py) IS_TRAINER=1 ;; esac
 
 report() { printf '%-26s %s\n' "$1" "$2"; }
 fail() {  # fail CHECK "reason -> fix"
   report "$1" "FAIL: $2"
   exit 1
 }
+# Digits without a leading zero: bash arithmetic reads "08" as a broken octal number and stops the script.
+is_count() { [[ "$1" =~ ^(0|[1-9][0-9]{0,8})$ ]]; }
 
 # ---------------------------------------------------------------- topology: single node, env, or Slurm
 if [ -n "${SLURM_JOB_ID:-}" ] && [ -z "${NNODES:-}" ]; then
@@ -52,6 +72,34 @@ NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
 MASTER_PORT=${MASTER_PORT:-29500}
 LAUNCH_DEVICE=${LAUNCH_DEVICE:-auto}
+MAX_RESTARTS=${MAX_RESTARTS:-3}
+RDZV_ID=${RDZV_ID:-${SLURM_JOB_ID:-none}}
+LOG_DIR=${LOG_DIR:-out/logs}
+
+check_node_count() {
+  { is_count "$NNODES" && [ "$NNODES" -ge 1 ]; } ||
+    fail "nodes" "NNODES=$NNODES is not a number of nodes -> set NNODES=1 or more, the same on every node"
+}
+
+check_node_rank() {
+  is_count "$NODE_RANK" || fail "node rank" "NODE_RANK=$NODE_RANK is not a number -> set NODE_RANK=0 on the master node, 1..$((NNODES - 1)) on the others"
+  [ "$NODE_RANK" -lt "$NNODES" ] ||
+    fail "node rank" "NODE_RANK=$NODE_RANK but NNODES=$NNODES -> node ranks go from 0 to $((NNODES - 1)), one per node"
+}
+
+check_port_number() {
+  { is_count "$MASTER_PORT" && [ "$MASTER_PORT" -ge 1 ] && [ "$MASTER_PORT" -le 65535 ]; } ||
+    fail "master port" "MASTER_PORT=$MASTER_PORT is not a port number 1..65535 -> set MASTER_PORT=29500 (the same on every node)"
+}
+
+check_restarts() {
+  is_count "$MAX_RESTARTS" || fail "restarts" "MAX_RESTARTS=$MAX_RESTARTS is not a number -> set MAX_RESTARTS=0 (never restart) or more"
+}
+
+check_node_count
+check_node_rank
+check_port_number
+check_restarts
 
 gpus_seen_by_driver() {
   if [ "$LAUNCH_DEVICE" = cpu ] || ! command -v nvidia-smi >/dev/null; then echo 0; return; fi
@@ -72,7 +120,7 @@ if [ "$EXPECT_GPUS" = 1 ]; then
 else
   NPROC_PER_NODE=${NPROC_PER_NODE:-2}  # two gloo processes: the distributed code paths run on a laptop too
 fi
-[[ "$NPROC_PER_NODE" =~ ^[0-9]+$ ]] || fail "processes per node" "NPROC_PER_NODE=$NPROC_PER_NODE is not a number -> set NPROC_PER_NODE=1 or more"
+is_count "$NPROC_PER_NODE" || fail "processes per node" "NPROC_PER_NODE=$NPROC_PER_NODE is not a number -> set NPROC_PER_NODE=1 or more"
 WORLD_SIZE=$((NNODES * NPROC_PER_NODE))
 
 # One OpenMP thread pool per process, sharing the cores: without this each of N processes starts
@@ -83,8 +131,36 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( NPROC_PER_NODE > 0 && CORES / NPRO
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
 if [ "$LAUNCH_DEVICE" = cpu ]; then export CUDA_VISIBLE_DEVICES=""; fi
 
+address_towards_master() {  # the source address of this node's route to the master; empty if there is none
+  "$PYTHON" - "$MASTER_ADDR" "$MASTER_PORT" <<'EOF' 2>/dev/null || true
+import socket, sys
+family, kind, _, _, address = socket.getaddrinfo(sys.argv[1], int(sys.argv[2]), type=socket.SOCK_DGRAM)[0]
+with socket.socket(family, kind) as probe:
+    probe.connect(address)  # UDP: connect() only picks the route, it sends nothing
+    print(probe.getsockname()[0])
+EOF
+}
+
+# --tee 2: every rank's stderr goes to LOG_DIR (for the failure report below) and still to the console,
+# prefixed [default<local rank>]:; stdout, where rank 0 logs, reaches the console untouched.
+RUN_LOG_DIR=$LOG_DIR/$(date +%Y%m%d-%H%M%S)-node$NODE_RANK-$$
 TORCHRUN=("$PYTHON" -m torch.distributed.run --nnodes "$NNODES" --nproc-per-node "$NPROC_PER_NODE"
-  --node-rank "$NODE_RANK" --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" "$SCRIPT" "${ARGS[@]}")
+  --max-restarts "$MAX_RESTARTS" --log-dir "$RUN_LOG_DIR" --tee 2)
+if [ "$NNODES" -gt 1 ]; then
+  # c10d, not the static rendezvous: after a worker fails, torchrun on every node restarts its workers
+  # together (measured: the other node's workers get SIGTERM and start again; only the failed node counts
+  # it in TORCHELASTIC_RESTART_COUNT). Node 0 hosts the rendezvous store on MASTER_PORT; said explicitly
+  # (is_host), because torchrun's own guess compares MASTER_ADDR with this host's name and addresses and
+  # misses secondary interfaces. The nodes are ranked by LOCAL_ADDR as text, not by NODE_RANK, and the
+  # first one's LOCAL_ADDR becomes the workers' MASTER_ADDR; without it, socket.getfqdn(), which was
+  # "localhost" in our two-namespace test and made the other node's workers wait for themselves.
+  LOCAL_ADDR=${LOCAL_ADDR:-$(address_towards_master)}
+  TORCHRUN+=(--rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "$RDZV_ID"
+    --rdzv-conf "is_host=$(( NODE_RANK == 0 ))" ${LOCAL_ADDR:+--local-addr "$LOCAL_ADDR"})
+else
+  TORCHRUN+=(--node-rank "$NODE_RANK" --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT")
+fi
+TORCHRUN+=("$SCRIPT" "${ARGS[@]}")
 
 if [ "$DRY_RUN" = 1 ]; then
   echo "OMP_NUM_THREADS=$OMP_NUM_THREADS TORCH_NCCL_ASYNC_ERROR_HANDLING=$TORCH_NCCL_ASYNC_ERROR_HANDLING ${TORCHRUN[*]}"
@@ -139,7 +215,7 @@ check_processes() {
   if [ "$EXPECT_GPUS" = 1 ] && [ "$NPROC_PER_NODE" -gt "${TORCH_GPUS:-0}" ]; then
     fail "processes per node" "NPROC_PER_NODE=$NPROC_PER_NODE but only ${TORCH_GPUS:-0} GPUs are visible -> set NPROC_PER_NODE=${TORCH_GPUS:-0} or fewer"
   fi
-  report "processes per node" "ok ($NPROC_PER_NODE per node x $NNODES nodes = $WORLD_SIZE)"
+  report "processes per node" "ok ($NPROC_PER_NODE per node x $NNODES nodes = $WORLD_SIZE; this is node $NODE_RANK)"
 }
 
 check_config() {  # the trainer validates its own config (types, unknown keys, batch divisibility)
@@ -171,38 +247,72 @@ check_checkpoint_dir() {
     fail "checkpoint dir" "cannot create or write $CKPT_DIR -> set checkpoint.dir= to a writable directory"
   fi
   local free_gb
+  is_count "${MIN_FREE_GB:-2}" || fail "checkpoint dir" "MIN_FREE_GB=$MIN_FREE_GB is not a number -> set MIN_FREE_GB=2"
   free_gb=$(df -Pk "$CKPT_DIR" | awk 'NR == 2 { printf "%d", $4 / 1048576 }')
   [ "$free_gb" -ge "${MIN_FREE_GB:-2}" ] ||
     fail "checkpoint dir" "only ${free_gb} GB free in $CKPT_DIR (MIN_FREE_GB=${MIN_FREE_GB:-2}) -> free space or set checkpoint.dir="
   report "checkpoint dir" "ok ($CKPT_DIR, ${free_gb} GB free)"
 }
 
-check_master() {
-  if [ "$NODE_RANK" = 0 ]; then
-    "$PYTHON" - "$MASTER_PORT" <<'EOF' 2>/dev/null ||
+check_master_port_free() {
+  local problem
+  problem=$("$PYTHON" - "$MASTER_PORT" <<'EOF' 2>&1
 import socket, sys
 with socket.socket() as s:
     s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torchrun's store does: TIME_WAIT is no conflict
-    s.bind(("", int(sys.argv[1])))
+    try:
+        s.bind(("", int(sys.argv[1])))
+    except OSError as error:
+        sys.exit(error.strerror)
 EOF
-      fail "master port" "port $MASTER_PORT is in use on this node -> set MASTER_PORT to a free port (same on every node)"
-    report "master port" "ok ($MASTER_PORT free)"
-  else  # worker nodes may start before the master: wait for it, but not forever
-    "$PYTHON" - "$MASTER_ADDR" "$MASTER_PORT" "${MASTER_WAIT_S:-120}" <<'EOF' 2>/dev/null ||
-import socket, sys, time
-host, port, deadline = sys.argv[1], int(sys.argv[2]), time.time() + float(sys.argv[3])
+  ) || fail "master port" "cannot listen on port $MASTER_PORT on this node ($problem) -> set MASTER_PORT to a free port (the same on every node)"
+  report "master port" "ok ($MASTER_PORT free)"
+}
+
+# A worker node waits for anything to accept connections on the master's port (node 0 may start later),
+# then asks it to act as torch's TCPStore, the server that torchrun's rendezvous runs on node 0. Another
+# service on that port passes a plain connect, and torchrun's own TCPStore client then retries for its
+# whole timeout (60 s with c10d, 600 s with the static rendezvous), or waits for ever if the service never
+# answers (measured: still waiting after 40 s with a 2 s timeout, torch 2.13).
+# Exit 1: nothing answered in time; exit 3: something answered, but not a store.
+check_master_reachable() {
+  local wait_s=${MASTER_WAIT_S:-120} status=0
+  is_count "$wait_s" || fail "master" "MASTER_WAIT_S=$wait_s is not a number of seconds -> set MASTER_WAIT_S=120"
+  "$PYTHON" - "$MASTER_ADDR" "$MASTER_PORT" "$wait_s" <<'EOF' >/dev/null 2>&1 || status=$?
+import socket, sys, threading, time
+from datetime import timedelta
+host, port, deadline = sys.argv[1], int(sys.argv[2]), time.monotonic() + float(sys.argv[3])
 while True:
     try:
         socket.create_connection((host, port), timeout=5).close()
         break
     except OSError:
-        if time.time() > deadline:
+        if time.monotonic() > deadline:
             sys.exit(1)
         time.sleep(1)
+import torch.distributed as dist
+answered = []
+def ask_store():  # wait_for_workers=False: this probe must not count as one of the workers the store waits for
+    dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=5), wait_for_workers=False)
+    answered.append(True)
+# A thread with a deadline: a TCPStore client waits without a time limit for the answer to its first
+# message, so a server that accepts and stays silent would hang it (measured, torch 2.13).
+asking = threading.Thread(target=ask_store, daemon=True)
+asking.start()
+asking.join(5)
+sys.exit(0 if answered else 3)
 EOF
-      fail "master" "$MASTER_ADDR:$MASTER_PORT unreachable after ${MASTER_WAIT_S:-120}s -> start node 0 first, check MASTER_ADDR/MASTER_PORT and the firewall"
-    report "master" "ok ($MASTER_ADDR:$MASTER_PORT reachable)"
-  fi
+  case "$status" in
+    0) report "master" "ok ($MASTER_ADDR:$MASTER_PORT answers as a torchrun rendezvous server)" ;;
+    3) fail "master" "$MASTER_ADDR:$MASTER_PORT answers but is not a torchrun rendezvous server -> check MASTER_ADDR/MASTER_PORT: another service uses that port, or node 0 runs something else there" ;;
+    *) fail "master" "$MASTER_ADDR:$MASTER_PORT unreachable after ${wait_s}s -> start node 0 first, check MASTER_ADDR/MASTER_PORT and the firewall" ;;
+  esac
+}
+
+check_log_dir() {
+  { mkdir -p "$RUN_LOG_DIR" && : >"$RUN_LOG_DIR/torchrun.log"; } 2>/dev/null ||
+    fail "log dir" "cannot create or write $RUN_LOG_DIR -> set LOG_DIR to a writable directory"
+  report "log dir" "ok ($RUN_LOG_DIR)"
 }
 
 check_script
@@ -215,12 +325,81 @@ if [ "$IS_TRAINER" = 1 ]; then
   check_data
   check_checkpoint_dir
 fi
-check_master
+if [ "$NODE_RANK" = 0 ]; then check_master_port_free; else check_master_reachable; fi
+check_log_dir
 
+# ---------------------------------------------------------------- launch, watch, report
+STOPPED_BY=""
+# shellcheck disable=SC2317  # called by the traps below, which shellcheck 0.9 does not follow
+stop_torchrun() {  # trap for SIGTERM and SIGINT
+  # Once: torchrun may get the signal directly too (Ctrl-C reaches the whole process group; under Slurm,
+  # probably Slurm's own, unchecked), and torchrun waits for its workers after two SIGTERMs but exits at
+  # once after a third, leaving them running (measured, torch 2.13). SIGTERM also for SIGINT: torchrun,
+  # a background job, ignores SIGINT until its workers are started (bash ignores SIGINT and SIGQUIT in
+  # the background jobs of a script; torchrun sets its own handlers in PContext.start).
+  [ -n "$STOPPED_BY" ] && return
+  STOPPED_BY=$1
+  kill -TERM "$TORCHRUN_PID" 2>/dev/null || true
+}
+
+# torchrun's own messages go to a file and, through tail (GNU: --pid), to stderr: its summary of a failure
+# names the rank that failed first, which the report below needs.
 echo "launching: ${TORCHRUN[*]}"
+"${TORCHRUN[@]}" 2>>"$RUN_LOG_DIR/torchrun.log" &
+TORCHRUN_PID=$!
+trap 'stop_torchrun TERM' TERM
+trap 'stop_torchrun INT' INT
+tail -n +1 -s 0.2 -f --pid="$TORCHRUN_PID" "$RUN_LOG_DIR/torchrun.log" >&2 &
+TAIL_PID=$!
 status=0
-"${TORCHRUN[@]}" || status=$?
+wait "$TORCHRUN_PID" || status=$?
+while kill -0 "$TORCHRUN_PID" 2>/dev/null; do  # a trapped signal ends `wait` early: wait for the exit itself
+  status=0
+  wait "$TORCHRUN_PID" || status=$?
+done
+wait "$TAIL_PID" || true
+
+last_attempt_dir() {  # LOG_DIR/<date>-node<rank>-<pid>/<rendezvous id>_<random>/attempt_<restarts>
+  local run_dir attempt=0
+  run_dir=$(find "$RUN_LOG_DIR" -mindepth 1 -maxdepth 1 -type d | head -n 1)
+  [ -n "$run_dir" ] || return 0
+  while [ -d "$run_dir/attempt_$((attempt + 1))" ]; do attempt=$((attempt + 1)); done
+  echo "$run_dir/attempt_$attempt"
+}
+
+report_failure() {  # what failed, from torchrun's summary ("Root Cause") and the ranks' stderr files
+  local attempt_dir rank local_rank exit_code stderr_file file error_line=""
+  attempt_dir=$(last_attempt_dir)
+  read -r rank local_rank < <(sed -n '/Root Cause/,$ s/^ *rank *: \([0-9]*\) (local_rank: \([0-9]*\)).*/\1 \2/p' \
+    "$RUN_LOG_DIR/torchrun.log" | head -n 1) || true
+  exit_code=$(sed -n '/Root Cause/,$ s/^ *exitcode *: \([^ ]*\).*/\1/p' "$RUN_LOG_DIR/torchrun.log" | head -n 1)
+  if [ -z "${local_rank:-}" ] || [ -z "$attempt_dir" ]; then
+    echo "FAIL: torchrun exited with status $status before any worker failed -> its messages above say why (also in $RUN_LOG_DIR/torchrun.log)" >&2
+    return
+  fi
+  stderr_file=$attempt_dir/$local_rank/stderr.log
+  # the rank that failed first may have said why; if not, maybe another one did (the trainer's errors come from rank 0)
+  for file in "$stderr_file" "$attempt_dir"/*/stderr.log; do
+    error_line=$(grep -m1 '^error:' "$file" 2>/dev/null || true)
+    [ -n "$error_line" ] && break
+  done
+  if [ -n "$error_line" ]; then
+    echo "FAIL: $(basename "$SCRIPT") failed: rank $rank exited first (exit code $exit_code); local rank $(basename "$(dirname "$file")") wrote \"$error_line\" (logs: $RUN_LOG_DIR)" >&2
+  else
+    echo "FAIL: $(basename "$SCRIPT") failed: rank $rank (local rank $local_rank on this node) exited first (exit code $exit_code) without an 'error:' line; the last lines of its stderr ($stderr_file):" >&2
+    tail -n 15 "$stderr_file" | sed 's/^/    /' >&2
+  fi
+}
+
+restarts=$(basename "$(last_attempt_dir)" | sed -n 's/^attempt_//p')
+if [ -n "$STOPPED_BY" ]; then
+  echo "FAIL: stopped by SIG$STOPPED_BY, passed on to torchrun and the workers, which have exited (logs: $RUN_LOG_DIR) -> run the same command again to continue: the trainer resumes from its newest checkpoint" >&2
+  [ "$STOPPED_BY" = INT ] && exit 130
+  exit 143
+fi
 if [ "$status" != 0 ]; then
-  echo "FAIL: $(basename "$SCRIPT") exited with status $status (the first 'error:' line above says why)" >&2
+  report_failure
+elif [ "${restarts:-0}" -gt 0 ]; then
+  echo "done after $restarts restart(s) of the workers (MAX_RESTARTS=$MAX_RESTARTS); logs of every attempt: $RUN_LOG_DIR"
 fi
 exit "$status"

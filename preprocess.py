@@ -43,6 +43,9 @@ SPECIAL_TOKEN_NAMES = {
 COLUMNAR_SUFFIXES = (".parquet", ".arrow")
 CHUNK_DOCUMENTS, CHUNK_BYTES = 10_000, 4_000_000  # per encode batch: bounds memory whatever the corpus size
 PROGRESS_EVERY_S = 2.0
+# A val split below either gets a warning: its loss would rest on a handful of texts (a judgement, not a
+# measurement; the default corpus, Python 3.11's standard library, holds out 37 documents of 244,512 tokens).
+TINY_VAL_DOCUMENTS, TINY_VAL_TOKENS = 20, 10_000
 
 
 def die(message):
@@ -216,6 +219,16 @@ def load_tokenizer(path):
         tokenizer = Tokenizer.from_file(str(path))
     except Exception as error:  # the tokenizers library raises a bare Exception for any unreadable file
         die(f"cannot load tokenizer {path}: {error} -> pass a tokenizer.json saved by the tokenizers library")
+    # Pretrained tokenizer.json files often ship with these on, for model inputs. Here they would cut every
+    # document to max_length tokens and put pad ids into the token stream; the copy saved with the data has
+    # them off too, so the trainer's export does not inherit them.
+    enabled = [f"truncation to {tokenizer.truncation['max_length']} tokens" if tokenizer.truncation else "",
+               "padding" if tokenizer.padding else ""]
+    if any(enabled):
+        tokenizer.no_truncation()
+        tokenizer.no_padding()
+        print(f"tokenizer {path} has {' and '.join(filter(None, enabled))} enabled: turned off, so that every "
+              "document keeps all its tokens and no pad token enters the stream")
     missing = [role for role, names in SPECIAL_TOKEN_NAMES.items()
                if all(tokenizer.token_to_id(name) is None for name in names)]
     if missing:
@@ -328,6 +341,7 @@ def parse_args():
     add("--column", metavar="NAME", default="text", help="text column of .parquet/.arrow files (%(default)s)")
     add("--shard-tokens", type=int, metavar="N", default=100_000_000, help="max tokens per shard (%(default)s)")
     add("--force", action="store_true", help="rebuild even if the output exists")
+    parser.error = lambda message: die(f"{message} -> see: preprocess.py --help")  # one line, not the usage text
     return parser.parse_args()
 
 
@@ -341,12 +355,18 @@ def read_data_config(config_arg):
         data = (yaml.safe_load(config_path.read_text()) or {}).get("data") or {}
     except (yaml.YAMLError, OSError, AttributeError) as error:
         die(f"cannot read {config_path}: {error} -> fix it: a YAML mapping with a data: section")
+    if not isinstance(data, dict):
+        die(f"data: in {config_path} is a {type(data).__name__}, not a mapping -> write it as data: followed by "
+            "indented key: value lines")
     values = {}
     for key, default in DEFAULTS.items():
+        value = data.get(key, default)
         try:  # float("2e-2"): plain YAML reads an exponent without a dot as a string
-            values[key] = type(default)(data.get(key, default))
+            if isinstance(value, (list, dict)) or value is None:  # str([1]) would make a directory named "[1]"
+                raise TypeError
+            values[key] = type(default)(value)
         except (TypeError, ValueError):
-            die(f"data.{key}={data[key]!r} in {config_path} is not a {type(default).__name__} -> fix it there")
+            die(f"data.{key}={value!r} in {config_path} is not a {type(default).__name__} -> fix it there")
     return values
 
 
@@ -468,6 +488,9 @@ def main():
                                   stats, total_input_bytes)
         result = write_shards(documents, tokenizer, temp_dir, val_fraction, args.shard_tokens)
         seconds = time.perf_counter() - start_time
+        if result["splits"]["train"]["documents"] == 0:  # a trainer could not take one step
+            die(f"no text for the train split in {source} (empty files, or --val-fraction {val_fraction} holds out "
+                "everything) -> pass files with text, or a --val-fraction below 1")
         meta = {"format_version": FORMAT_VERSION, "tokenizer_file": "tokenizer.json",
                 "vocab_size": result["vocab_size"], "special_tokens": special_token_ids(tokenizer),
                 "token_dtype": result["token_dtype"], "eot_appended": True, "splits": result["splits"],
@@ -476,6 +499,9 @@ def main():
                 "token_counts": result["token_counts"]}  # last: its vocab_size lines would hide what follows
         (temp_dir / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")  # last: its presence = complete
         move_into_place(temp_dir, out)
+    except OSError as error:  # an unreadable input, --out below a file, a full disk: nothing is kept
+        die(f"{error.strerror}: {error.filename} -> check that the inputs are readable and that {out.parent} is a "
+            "writable directory with room to spare")
     finally:
         shutil.rmtree(temp_dir, ignore_errors=True)  # after a failure; after success it is gone already
 
@@ -485,6 +511,14 @@ def main():
           f"({megabytes / max(seconds, 1e-9):.1f} MB/s); "
           + (f"tokenizer from {tokenizer_file}" if tokenizer_file else f"tokenizer training {train_seconds:.1f} s")
           + (f"; invalid UTF-8 replaced by U+FFFD in {stats['replaced']} documents" if stats["replaced"] else ""))
+    val = splits["val"]
+    if val["documents"] == 0:
+        print(f"warning: the val split is empty (--val-fraction {val_fraction}): no text to measure a validation "
+              "loss on -> pass e.g. --val-fraction 0.02 to hold out 2% of the documents", file=sys.stderr)
+    elif val["documents"] < TINY_VAL_DOCUMENTS or val["tokens"] < TINY_VAL_TOKENS:
+        print(f"warning: the val split is tiny, {val['documents']} documents and {val['tokens']:,} tokens (fewer than "
+              f"{TINY_VAL_DOCUMENTS} documents or {TINY_VAL_TOKENS:,} tokens), so its loss says little -> raise "
+              f"--val-fraction (now {val_fraction}) or give more text", file=sys.stderr)
 
 
 if __name__ == "__main__":

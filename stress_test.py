@@ -15,9 +15,11 @@ import datetime
 import difflib
 import functools
 import json
+import math
 import os
 import socket
 import sys
+import tempfile
 import threading
 import time
 import warnings
@@ -123,21 +125,24 @@ def load_config(argv, world_size):
     element_size = DTYPES[args.dtype].itemsize
     if min(sizes) < element_size:
         die(f"{min(sizes)} B is less than one {args.dtype} element -> sizes of at least {element_size} B")
-    if args.iters < 1 or args.warmup < 0 or args.timeout <= 0 or args.duration < 0:
-        die("--iters must be >= 1, --warmup >= 0, --timeout > 0, --duration >= 0 -> fix the option")
+    if (args.iters < 1 or args.warmup < 0 or not 0 < args.timeout < math.inf or not 0 <= args.duration < math.inf):
+        die("--iters must be >= 1, --warmup >= 0, --timeout > 0, --duration >= 0, both finite -> fix the option")
     for option in ("inject_corruption", "inject_grad_corruption", "inject_stall"):
         if not -1 <= getattr(args, option) < world_size:
             die(f"--{option.replace('_', '-')} {getattr(args, option)} is not a rank -> give 0..{world_size - 1}")
     if EXACT_INTEGER_LIMIT[args.dtype] // world_size < 2:
         die(f"sums over {world_size} ranks cannot be exact in {args.dtype} -> use --dtype float32")
     if not args.skip_grad_check:
-        args.model_config = make_model_config(args)
+        args.model = build_model(make_model_config(args), args)
     return args, sizes
 
 
 def make_model_config(args):
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+    for option in ("n_layer", "n_head", "n_embd", "vocab_size"):
+        if getattr(args, option) < 1:
+            die(f"--{option.replace('_', '-')} {getattr(args, option)} is not positive -> give 1 or more")
     if args.n_embd % args.n_head:
         die(f"--n-embd {args.n_embd} is not a multiple of --n-head {args.n_head} -> change one of them")
     try:  # generic names work for every model type (gpt2 maps them to n_layer, n_head, n_embd, n_positions)
@@ -151,6 +156,21 @@ def make_model_config(args):
     if hasattr(config, "intermediate_size"):
         config.intermediate_size = 4 * args.n_embd  # llama-like defaults (11008) would not be tiny
     return config
+
+
+def build_model(config, args):
+    """Built now, before any rank connects: some model types of transformers cannot be built this small
+    (in transformers 5.24 e.g. bailing_hybrid, whose default pad id lies outside our vocabulary), and that
+    must end the run now, not after the whole table."""
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(SEED)  # the same initial weights on every rank
+    try:
+        return AutoModelForCausalLM.from_config(config)
+    except Exception as error:  # transformers raises many kinds (ValueError, AssertionError, its validators)
+        reason = (str(error).strip() or "no message").splitlines()[0]
+        die(f"--model-type {args.model_type} cannot be built with --n-layer {args.n_layer} --n-head {args.n_head} "
+            f"--n-embd {args.n_embd} --vocab-size {args.vocab_size} ({type(error).__name__}: {reason}) "
+            "-> use gpt2, llama, qwen2, ...")
 
 
 def die(message, exit_code=2):
@@ -412,10 +432,8 @@ def tensors_differ(tensors, device, world_size):
 
 
 def check_gradients(args, device, rank, world_size):
-    from transformers import AutoModelForCausalLM
     beat("gradient check")
-    torch.manual_seed(SEED)  # the same initial weights on every rank
-    model = AutoModelForCausalLM.from_config(args.model_config).to(device)
+    model = args.model.to(device)
     model.loss_type = "ForCausalLM"  # what transformers 5 picks anyway, but it warns when it has to guess
     ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     # different tokens on each rank: identical gradients then prove DDP's all-reduce, not equal data
@@ -502,9 +520,28 @@ def print_header(args, device, world_size):
     return run
 
 
+def check_json_path(path, device):
+    """Rank 0 writes --json at the very end: prove now that it can, so that no run is lost to a typo.
+    Only rank 0 looks (the path is on its host); every rank gets its verdict."""
+    problem = ""
+    if path and dist.get_rank() == 0:
+        directory = os.path.dirname(os.path.abspath(path))
+        if os.path.isdir(path):
+            problem = "is a directory"
+        else:
+            try:  # a file made and removed at once: the file at path, if any, stays as it is
+                tempfile.TemporaryFile(dir=directory).close()
+            except OSError as error:
+                problem = f"cannot write into {directory}: {error.strerror}"
+    (problems,) = all_reduce_floats([1.0 if problem else 0.0], dist.ReduceOp.SUM, device)
+    if problems:
+        die(f"--json {path} {problem} -> give a file path in an existing, writable directory (nothing was run)")
+
+
 def main():
     args, sizes = load_config(sys.argv[1:], world_size=int(os.environ.get("WORLD_SIZE", 1)))
     device, rank, world_size = init_distributed(args.timeout)
+    check_json_path(args.json, device)
     start_watchdog(args.timeout, rank)
     check_memory(args, sizes, device, world_size)
     modulus = min(1021, EXACT_INTEGER_LIMIT[args.dtype] // world_size)  # values 1..modulus: sums stay exact
@@ -559,10 +596,12 @@ def main():
               f"stress_test: PASS (0 wrong elements in {len(rows)} rows"
               + (f", grads identical across {world_size} ranks" if grad else "")
               + (f", soak of {soak['seconds']:.0f} s clean" if soak else "") + ")", flush=True)
-        if args.json:
-            with open(args.json, "w") as out:
+        if args.json:  # written beside, then renamed: a crash midway leaves the previous file whole
+            partial = f"{args.json}.tmp-{os.getpid()}"
+            with open(partial, "w") as out:
                 json.dump({"argv": sys.argv, "run": run, "sizes": sizes, "rows": rows, "grad_check": grad,
                            "soak": soak, "passed": not failures, "failures": failures}, out, indent=2)
+            os.replace(partial, args.json)
     dist.barrier()  # without it gloo ranks sometimes died with SIGABRT while the others were still leaving
     dist.destroy_process_group()
     sys.exit(1 if failures else 0)

@@ -11,6 +11,7 @@ import os
 import random
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -318,7 +319,7 @@ def trained_run(data_dir, tmp_path_factory):
     """8 steps on 2 processes through launch.sh, checkpoints at steps 4 and 8."""
     out = tmp_path_factory.mktemp("run")
     result = run(["bash", "launch.sh", f"data.dir={data_dir}", *EIGHT_STEPS, "model.dropout=0.1", f"out_dir={out}",
-                  f"checkpoint.dir={out}/ckpt"], env_extra={"MASTER_PORT": str(free_port())})
+                  f"checkpoint.dir={out}/ckpt"], env_extra={"MASTER_PORT": str(free_port()), "LOG_DIR": f"{out}/logs"})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return out, result
 
@@ -338,6 +339,8 @@ def test_launch_trains_on_two_processes_and_the_validation_loss_falls(trained_ru
     assert [t["lr"] for t in train[:2]] == pytest.approx([5e-3, 1e-2])
     assert sorted(p.name for p in (out / "ckpt").glob("step_*")) == ["step_000004", "step_000008"]
     assert (out / "ckpt" / "latest").read_text() == "step_000008"
+    # every rank's stderr of the (only) attempt is kept for launch.sh's failure report
+    assert len(list((out / "logs").glob("*/*/attempt_0/[01]/stderr.log"))) == 2
 
 
 def test_resume_continues_bitwise_identically(trained_run, data_dir, tmp_path):
@@ -834,15 +837,23 @@ def test_launch_script_is_clean_under_shellcheck():
 
 
 TOPOLOGY = ["NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "NPROC_PER_NODE", "SLURM_JOB_ID",
-            "SLURM_JOB_NUM_NODES", "SLURM_NNODES", "SLURM_NODEID", "SLURM_JOB_NODELIST"]
+            "SLURM_JOB_NUM_NODES", "SLURM_NNODES", "SLURM_NODEID", "SLURM_JOB_NODELIST", "MAX_RESTARTS", "RDZV_ID",
+            "LOCAL_ADDR", "LOG_DIR"]
 
 
 @pytest.mark.parametrize("env, expected", [
-    ({}, "--nnodes 1 --nproc-per-node 2 --node-rank 0 --master-addr 127.0.0.1 --master-port 29500"),
-    ({"NNODES": "4", "NODE_RANK": "3", "MASTER_ADDR": "10.0.0.7", "MASTER_PORT": "29999", "NPROC_PER_NODE": "8"},
-     "--nnodes 4 --nproc-per-node 8 --node-rank 3 --master-addr 10.0.0.7 --master-port 29999"),
-    ({"SLURM_JOB_ID": "77", "SLURM_JOB_NUM_NODES": "2", "SLURM_NODEID": "1", "SLURM_JOB_NODELIST": "gpu[07-08]"},
-     "--nnodes 2 --nproc-per-node 2 --node-rank 1 --master-addr gpu07 --master-port 29500"),
+    ({}, ["--nnodes 1 --nproc-per-node 2 --max-restarts 3 --log-dir out/logs/",
+          "--tee 2 --node-rank 0 --master-addr 127.0.0.1 --master-port 29500 "]),
+    ({"NNODES": "4", "NODE_RANK": "3", "MASTER_ADDR": "10.0.0.7", "MASTER_PORT": "29999", "NPROC_PER_NODE": "8",
+      "MAX_RESTARTS": "0", "LOG_DIR": "/logs"},
+     ["--nnodes 4 --nproc-per-node 8 --max-restarts 0 --log-dir /logs/", "-node3-",
+      "--rdzv-backend c10d --rdzv-endpoint 10.0.0.7:29999 --rdzv-id none --rdzv-conf is_host=0 "]),
+    ({"NNODES": "2", "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "RDZV_ID": "run7"},
+     ["--rdzv-endpoint 127.0.0.1:29500 --rdzv-id run7 --rdzv-conf is_host=1 --local-addr 127.0.0.1 "]),
+    ({"SLURM_JOB_ID": "77", "SLURM_JOB_NUM_NODES": "2", "SLURM_NODEID": "1", "SLURM_JOB_NODELIST": "gpu[07-08]",
+      "LOCAL_ADDR": "10.0.0.8"},
+     ["--nnodes 2 --nproc-per-node 2 --max-restarts 3",
+      "--rdzv-backend c10d --rdzv-endpoint gpu07:29500 --rdzv-id 77 --rdzv-conf is_host=0 --local-addr 10.0.0.8 "]),
 ])
 def test_launch_dry_run_prints_the_torchrun_command(env, expected, tmp_path):
     fake_bin = tmp_path / "bin"  # stands in for Slurm's scontrol, which expands the node list
@@ -854,7 +865,9 @@ def test_launch_dry_run_prints_the_torchrun_command(env, expected, tmp_path):
     result = subprocess.run(["bash", "launch.sh", "--dry-run", "train.max_steps=3"], cwd=REPO, env=clean,
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
-    assert expected in result.stdout
+    assert all(fragment in result.stdout for fragment in expected), result.stdout
+    # multi-node: the c10d rendezvous replaces the static one, whose node rank and master it would ignore
+    assert ("--node-rank" in result.stdout) == (int(env.get("NNODES", env.get("SLURM_JOB_NUM_NODES", 1))) == 1)
     assert result.stdout.strip().endswith("train_ddp.py train.max_steps=3")
 
 
@@ -880,39 +893,206 @@ def busy_port():
 
 
 @pytest.mark.parametrize("case", ["script", "torch", "cuda", "nccl", "processes", "config", "data", "checkpoint",
-                                  "port", "master"])
+                                  "port", "master", "port_not_a_number", "port_out_of_range", "nodes", "node_rank",
+                                  "restarts", "log_dir", "not_a_rendezvous_server"])
 def test_each_launch_check_fails_with_its_message(case, data_dir, tmp_path, busy_port):
     """Break one condition at a time; the launch stops at that check with a reason and a fix.
     Hardware this machine lacks (GPUs, NCCL) is played by a stand-in torch package."""
     trainer_args = [f"data.dir={data_dir}", f"checkpoint.dir={tmp_path}/ckpt", f"out_dir={tmp_path}"]
-    env = {"MASTER_PORT": str(free_port()), "LAUNCH_DEVICE": "auto", "NNODES": "1", "NODE_RANK": "0"}
+    env = {"MASTER_PORT": str(free_port()), "LAUNCH_DEVICE": "auto", "NNODES": "1", "NODE_RANK": "0",
+           "LOG_DIR": str(tmp_path / "logs")}
     (tmp_path / "a_file").write_text("")
     (tmp_path / "broken" / "torch").mkdir(parents=True)
     (tmp_path / "broken" / "torch" / "__init__.py").write_text("raise ImportError('broken install')\n")
-    cases = {  # case: (arguments of launch.sh, environment, name of the check that must fail)
-        "script": (["train_nope.py"], {}, "script"),
-        "torch": (trainer_args, {"PYTHONPATH": str(tmp_path / "broken")}, "python and torch"),
+    worker_node = {"NNODES": "2", "NODE_RANK": "1", "MASTER_WAIT_S": "1"}
+    cases = {  # case: (arguments of launch.sh, environment, name of the check that must fail, part of its message)
+        "script": (["train_nope.py"], {}, "script", "not found"),
+        "torch": (trainer_args, {"PYTHONPATH": str(tmp_path / "broken")}, "python and torch", "cannot import torch"),
         "cuda": (["stress_test.py"], {"PYTHONPATH": write_fake_torch(tmp_path / "no_cuda", False), "LAUNCH_DEVICE": "cuda"},
-                 "cuda"),
+                 "cuda", "is_available() is False"),
         "nccl": (["stress_test.py"], {"PYTHONPATH": write_fake_torch(tmp_path / "old_nccl", True, 2, (2, 8, 3)),
-                                      "LAUNCH_DEVICE": "cuda", "NPROC_PER_NODE": "2"}, "nccl"),
+                                      "LAUNCH_DEVICE": "cuda", "NPROC_PER_NODE": "2"}, "nccl", "NCCL 2.8.3"),
         "processes": (["stress_test.py"], {"PYTHONPATH": write_fake_torch(tmp_path / "one_gpu", True, 1), "LAUNCH_DEVICE": "cuda",
-                                           "NPROC_PER_NODE": "4"}, "processes per node"),
-        "config": ([*trainer_args, "optim.learning_rate=1e-3"], {}, "config"),
-        "data": ([f"data.dir={tmp_path}/nothing_here", *trainer_args[1:]], {}, "data"),
-        "checkpoint": ([trainer_args[0], f"checkpoint.dir={tmp_path}/a_file/ckpt"], {}, "checkpoint dir"),
-        "port": (["stress_test.py"], {"MASTER_PORT": str(busy_port)}, "master port"),
-        "master": (["stress_test.py"], {"NNODES": "2", "NODE_RANK": "1", "MASTER_WAIT_S": "1"}, "master"),
+                                           "NPROC_PER_NODE": "4"}, "processes per node", "only 1 GPUs"),
+        "config": ([*trainer_args, "optim.learning_rate=1e-3"], {}, "config", "optim.learning_rate"),
+        "data": ([f"data.dir={tmp_path}/nothing_here", *trainer_args[1:]], {}, "data", "no prepared data"),
+        "checkpoint": ([trainer_args[0], f"checkpoint.dir={tmp_path}/a_file/ckpt"], {}, "checkpoint dir", "cannot create"),
+        "port": (["stress_test.py"], {"MASTER_PORT": str(busy_port)}, "master port", "Address already in use"),
+        "master": (["stress_test.py"], worker_node, "master", "unreachable after 1s"),
+        "port_not_a_number": (["stress_test.py"], {"MASTER_PORT": "abc"}, "master port", "MASTER_PORT=abc is not a port"),
+        "port_out_of_range": (["stress_test.py"], {"MASTER_PORT": "70000"}, "master port", "not a port number 1..65535"),
+        "nodes": (["stress_test.py"], {"NNODES": "two"}, "nodes", "NNODES=two"),
+        "node_rank": (["stress_test.py"], {"NNODES": "2", "NODE_RANK": "2"}, "node rank", "from 0 to 1"),
+        "restarts": (["stress_test.py"], {"MAX_RESTARTS": "-1"}, "restarts", "MAX_RESTARTS=-1"),
+        "log_dir": (["stress_test.py"], {"LOG_DIR": str(tmp_path / "a_file" / "logs")}, "log dir", "cannot create"),
+        # something that accepts connections but never answers: a TCPStore client alone would wait for ever
+        "not_a_rendezvous_server": (["stress_test.py"], {**worker_node, "MASTER_PORT": str(busy_port)}, "master",
+                                    "answers but is not a torchrun rendezvous server"),
     }
-    args, case_env, expected = cases[case]
-    result = run(["bash", "launch.sh", *args], env_extra={**env, **case_env})
+    args, case_env, expected, fragment = cases[case]
+    result = run(["bash", "launch.sh", *args], env_extra={**env, **case_env}, timeout=60)
     assert result.returncode != 0
     failures = [line for line in result.stdout.splitlines() if "FAIL:" in line]
     assert len(failures) == 1, result.stdout + result.stderr
     assert failures[0].split("FAIL:")[0].strip() == expected, failures[0]
-    assert " -> " in failures[0]  # every failure says how to fix it
+    assert fragment in failures[0] and " -> " in failures[0]  # every failure says what is wrong and how to fix it
     assert "launching:" not in result.stdout
     assert "Traceback" not in result.stdout + result.stderr
+
+
+# Throwaway worker scripts for the tests of launch.sh's own behaviour: no torch import, so they start at once.
+FAILS_ON_FIRST_ATTEMPT = """import os, sys
+attempt, rank = os.environ["TORCHELASTIC_RESTART_COUNT"], os.environ["RANK"]
+if attempt == "0" and rank == "1":
+    sys.exit(1)
+print(f"rank {rank} finished attempt {attempt}")
+"""
+RANK_1_FAILS = """import os, sys
+if os.environ["RANK"] == "1":
+    print("reading shard 7", file=sys.stderr)
+    if sys.argv[1] == "says-why":
+        print("error: shard 7 is truncated -> run preprocess.py again", file=sys.stderr)
+    sys.exit(4)
+"""
+SLEEPS = """import os, sys, time
+with open(os.path.join(sys.argv[1], f"{os.getpid()}.pid"), "w") as pid_file:
+    pid_file.write(str(os.getppid()))  # torchrun's pid
+time.sleep(120)
+"""
+
+
+def launch_script(tmp_path, source, *args, env_extra=None, popen=False):
+    """launch.sh with a throwaway worker script on 2 CPU processes; its logs in tmp_path/logs."""
+    script = tmp_path / "worker.py"
+    script.write_text(source)
+    env = {"LAUNCH_DEVICE": "cpu", "NNODES": "1", "NODE_RANK": "0", "NPROC_PER_NODE": "2",
+           "MASTER_PORT": str(free_port()), "LOG_DIR": str(tmp_path / "logs"), **(env_extra or {})}
+    command = ["bash", "launch.sh", str(script), *map(str, args)]
+    if popen:
+        return subprocess.Popen(command, cwd=REPO, env={**os.environ, **env}, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+    return run(command, env_extra=env, timeout=120)
+
+
+def test_a_failed_worker_is_restarted_and_the_run_finishes(tmp_path):
+    result = launch_script(tmp_path, FAILS_ON_FIRST_ATTEMPT)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "rank 1 finished attempt 1" in result.stdout and "rank 0 finished attempt 1" in result.stdout
+    assert "done after 1 restart(s) of the workers (MAX_RESTARTS=3)" in result.stdout
+
+
+@pytest.mark.parametrize("says_why", [True, False])
+def test_a_failed_run_names_the_rank_and_its_error_line_or_its_last_stderr_lines(tmp_path, says_why):
+    result = launch_script(tmp_path, RANK_1_FAILS, "says-why" if says_why else "silent",
+                           env_extra={"MAX_RESTARTS": "0" if says_why else "1"})
+    assert result.returncode != 0
+    failure = [line for line in result.stderr.splitlines() if line.startswith("FAIL:")]
+    assert len(failure) == 1, result.stderr
+    assert "worker.py failed" in failure[0] and str(tmp_path / "logs") in failure[0]
+    if says_why:
+        assert ('rank 1 exited first (exit code 4); local rank 1 wrote "error: shard 7 is truncated -> run '
+                'preprocess.py again"') in failure[0]
+    else:
+        assert "rank 1 (local rank 1 on this node) exited first (exit code 4) without an 'error:' line" in failure[0]
+        assert "attempt_1/1/stderr.log" in failure[0]  # the last attempt: MAX_RESTARTS=1 restarted it once
+        assert result.stderr.split(failure[0])[1].splitlines()[1] == "    reading shard 7"
+
+
+def is_running(pid):
+    """True while pid is a live process; a zombie has ended and only waits for its parent."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def test_sigterm_to_launch_stops_torchrun_and_every_worker_and_exits_non_zero(tmp_path):
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    launch = launch_script(tmp_path, SLEEPS, pid_dir, popen=True)
+    run_pids = []
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(pid_dir.glob("*.pid"))) < 2:
+            assert launch.poll() is None and time.monotonic() < deadline, launch.communicate()
+            time.sleep(0.1)
+        time.sleep(0.2)  # both pid files written in full
+        workers = [int(p.stem) for p in pid_dir.glob("*.pid")]
+        run_pids = [*workers, int(next(pid_dir.glob("*.pid")).read_text())]  # and torchrun's
+        launch.send_signal(signal.SIGTERM)  # to launch.sh alone, as `kill PID` would
+        stdout, stderr = launch.communicate(timeout=30)  # generous: torchrun waits up to 30 s for workers
+        survivors = [pid for pid in run_pids if is_running(pid)]
+    finally:  # whatever happened, leave no process of this test behind
+        for pid in [launch.pid, *run_pids]:
+            if is_running(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert launch.returncode == 143, stdout + stderr
+    assert "FAIL: stopped by SIGTERM" in stderr
+    assert not survivors
+
+
+# ----------------------------------------------------------------------------- two hosts from network namespaces
+
+def ip(*args):
+    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def two_hosts():
+    """Two network namespaces joined by a veth pair: "hosts" 10.77.0.1 and 10.77.0.2, each with its own
+    loopback and ports, sharing this machine's files. Yields {address: (namespace, interface)}."""
+    if shutil.which("ip") is None:
+        pytest.skip("no `ip` command (iproute2) to make network namespaces: apt-get install iproute2")
+    if os.geteuid() != 0:
+        pytest.skip("making network namespaces needs root")
+    tag = f"{os.getpid() % 100000}"  # interface names may have at most 15 characters
+    hosts = {"10.77.0.1": (f"lt{tag}a", f"ltv{tag}a"), "10.77.0.2": (f"lt{tag}b", f"ltv{tag}b")}
+    (ns_a, if_a), (ns_b, if_b) = hosts.values()
+    try:
+        made = ip("netns", "add", ns_a)
+        if made.returncode != 0:
+            pytest.skip(f"cannot make a network namespace here ({made.stderr.strip()})")
+        steps = [("netns", "add", ns_b), ("link", "add", if_a, "type", "veth", "peer", "name", if_b),
+                 ("link", "set", if_a, "netns", ns_a), ("link", "set", if_b, "netns", ns_b)]
+        for address, (namespace, interface) in hosts.items():
+            steps += [("-n", namespace, "addr", "add", f"{address}/24", "dev", interface),
+                      ("-n", namespace, "link", "set", "lo", "up"), ("-n", namespace, "link", "set", interface, "up")]
+        for step in steps:
+            done = ip(*step)
+            if done.returncode != 0:
+                pytest.skip(f"cannot join network namespaces here: ip {' '.join(step)}: {done.stderr.strip()}")
+        yield hosts
+    finally:
+        for namespace, interface in hosts.values():
+            for pid in ip("netns", "pids", namespace).stdout.split():  # anything a failed test left running
+                os.kill(int(pid), signal.SIGKILL)
+            ip("netns", "del", namespace)
+            ip("link", "del", interface)  # only if it never left this namespace; else gone with its namespace
+
+
+def launch_on_host(hosts, address, node_rank, *args, env_extra=None):
+    """Start launch.sh inside the namespace of `address` as node `node_rank` of 2, master 10.77.0.1."""
+    namespace, interface = hosts[address]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "LAUNCH_DEVICE": "cpu",
+           "NNODES": "2", "NODE_RANK": str(node_rank), "MASTER_ADDR": "10.77.0.1", "MASTER_PORT": "29500",
+           # gloo would take the address of this machine's host name, which neither namespace has
+           "GLOO_SOCKET_IFNAME": interface, **(env_extra or {})}
+    return subprocess.Popen(["ip", "netns", "exec", namespace, "bash", "launch.sh", *map(str, args)], cwd=REPO,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_two_hosts_train_together_with_world_size_4(two_hosts, data_dir, tmp_path):
+    args = [f"data.dir={data_dir}", *EIGHT_STEPS, "train.max_steps=2", f"out_dir={tmp_path}",
+            f"checkpoint.dir={tmp_path}/ckpt"]  # one directory: the two "hosts" share this machine's files
+    nodes = [launch_on_host(two_hosts, address, rank, *args, env_extra={"LOG_DIR": str(tmp_path / "logs")})
+             for rank, address in enumerate(two_hosts)]
+    outputs = [node.communicate(timeout=240) for node in nodes]
+    for node, (stdout, stderr) in zip(nodes, outputs):
+        assert node.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    assert "world size 4 (gloo, cpu)" in outputs[0][0]
+    assert "master                     ok (10.77.0.1:29500 answers as a torchrun rendezvous server)" in outputs[1][0]
+    assert read_metrics(tmp_path, "start")[0]["world_size"] == 4
+    assert [t["step"] for t in read_metrics(tmp_path, "train")] == [1, 2]
 
 
 # ----------------------------------------------------------------------------- preprocess.py
@@ -1114,6 +1294,49 @@ def test_known_special_token_names_are_found_in_other_tokenizers(tmp_path, corpu
     assert meta["special_tokens"] == {"eot": 2, "pad": 1, "mask": 3, "cls": 0, "sep": 2}
 
 
+def test_tokenizer_with_truncation_and_padding_is_used_with_both_turned_off(tmp_path, corpus):
+    """Pretrained tokenizer.json files often have them on; left on, every document would be cut to
+    max_length tokens and padded with pad ids inside the token stream."""
+    inputs, documents = corpus
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.train_from_iterator([text for _, text in documents], trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>", "<|pad|>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer.save(str(tmp_path / "plain.json"))
+    tokenizer.enable_truncation(max_length=8)
+    tokenizer.enable_padding(pad_id=1, pad_token="<|pad|>", length=16)
+    tokenizer.save(str(tmp_path / "truncating.json"))
+
+    plain, truncating = tmp_path / "from_plain", tmp_path / "from_truncating"
+    assert run_preprocess("--input", *inputs, "--out", plain, "--tokenizer", tmp_path / "plain.json").returncode == 0
+    result = run_preprocess("--input", *inputs, "--out", truncating, "--tokenizer", tmp_path / "truncating.json")
+    assert result.returncode == 0, result.stderr
+    said = [line for line in result.stdout.splitlines() if "turned off" in line]
+    assert len(said) == 1 and "truncation to 8 tokens and padding enabled" in said[0], result.stdout
+    for split in ("train", "val"):
+        assert read_rows(truncating, split) == read_rows(plain, split)
+    assert max(map(len, read_rows(truncating, "train"))) > 16  # long documents kept whole
+    copied = Tokenizer.from_file(str(truncating / "tokenizer.json"))
+    assert copied.truncation is None and copied.padding is None
+
+
+@pytest.mark.parametrize("val_fraction, warning", [(0, "the val split is empty"), (0.05, "the val split is tiny"),
+                                                   (0.5, None)])
+def test_an_empty_or_tiny_val_split_gets_one_warning_line_and_exit_0(tmp_path, val_fraction, warning):
+    corpus = tmp_path / "corpus.jsonl"  # 400 documents of ~80 tokens: 5% held out is tiny, 50% is not
+    corpus.write_text("".join(json.dumps({"text": f"document {i}: " + " ".join(f"w{i * j % 97}" for j in range(30))})
+                              + "\n" for i in range(400)))
+    result = run_preprocess("--input", corpus, "--out", tmp_path / "out", "--vocab-size", 300,
+                            "--val-fraction", val_fraction)
+    assert result.returncode == 0, result.stderr
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == (1 if warning else 0), result.stderr
+    if warning:
+        assert warnings[0].startswith(f"warning: {warning}") and " -> " in warnings[0]
+    assert (tmp_path / "out" / "meta.json").exists()
+
+
 def test_shards_hold_at_most_shard_tokens_and_empty_split_gets_one_empty_file(tmp_path, corpus):
     inputs, _ = corpus
     whole, sharded = tmp_path / "whole", tmp_path / "sharded"
@@ -1171,16 +1394,33 @@ def bad_input_args(case, tmp_path):
         return ["--input", jsonl, "--tokenizer", tmp_path / "garbage.json"]
     if case == "vocab_size_too_small":
         return ["--input", jsonl, "--vocab-size", 100]
+    if case == "out_below_a_file":
+        (tmp_path / "a_file").write_text("")
+        return ["--input", jsonl, "--out", tmp_path / "a_file" / "data"]
+    if case == "only_empty_documents":
+        (tmp_path / "d").mkdir()
+        (tmp_path / "d" / "empty.txt").write_text("")
+        return ["--input", tmp_path / "d"]
+    if case == "everything_held_out":  # the train split would be empty
+        return ["--input", jsonl, "--val-fraction", 1]
+    if case == "option_value_not_a_number":
+        return ["--input", jsonl, "--val-fraction", "two percent"]
+    if case in ("config_data_not_a_mapping", "config_value_a_list"):
+        config = tmp_path / "config.yaml"
+        config.write_text("data: [1, 2]\n" if case == "config_data_not_a_mapping" else "data:\n  val_fraction: [0.1]\n")
+        return ["--input", jsonl, "--config", config]
     raise ValueError(case)
 
 
 @pytest.mark.parametrize("case", ["missing_input", "directory_without_matching_files", "jsonl_line_not_json",
                                   "jsonl_line_without_field", "jsonl_line_not_json_found_while_writing",
-                                  "parquet_without_column", "unreadable_tokenizer", "vocab_size_too_small"])
+                                  "parquet_without_column", "unreadable_tokenizer", "vocab_size_too_small",
+                                  "out_below_a_file", "only_empty_documents", "everything_held_out",
+                                  "option_value_not_a_number", "config_data_not_a_mapping", "config_value_a_list"])
 def test_bad_input_is_one_error_line_exit_2_and_no_output(tmp_path, case):
     out = tmp_path / "out"
-    # a --vocab-size in the case's own arguments wins: argparse keeps the last one
-    result = run_preprocess("--vocab-size", 300, *bad_input_args(case, tmp_path), "--out", out)
+    # a --vocab-size or --out in the case's own arguments wins: argparse keeps the last one
+    result = run_preprocess("--vocab-size", 300, "--out", out, *bad_input_args(case, tmp_path))
     assert result.returncode == 2, (result.stdout, result.stderr)
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and " -> " in lines[0], result.stderr
@@ -1301,6 +1541,41 @@ def test_bad_options_end_every_rank_with_one_error_line(options, message):
     assert len(errors) == 1 and message in errors[0], output
     assert 'stress_test.py", line' not in output  # no traceback of ours (torchrun prints its own summary)
 
+
+def test_json_path_that_cannot_be_written_is_refused_before_any_work(tmp_path):
+    code, output = launch_stress_test("--json", str(tmp_path / "missing_dir" / "figures.json"), "--sizes", "8",
+                                      "--skip-grad-check")
+    assert code != 0, output
+    errors = [line for line in output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "cannot write into" in errors[0] and " -> " in errors[0], output
+    assert "# stress_test:" not in output and "stress_test: PASS" not in output  # nothing was run
+    assert not (tmp_path / "missing_dir").exists()
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--n-head", "0"], "--n-head 0 is not positive"),
+    (["--vocab-size", "0"], "--vocab-size 0 is not positive"),
+    (["--model-type", "gpt2"], "--model-type gpt2 cannot be built with"),  # from_config is made to fail below
+    (["--timeout", "nan"], "both finite"),  # nan passed `<= 0`, then broke the backends' timeout at connect
+])
+def test_options_that_used_to_fail_late_are_checked_before_any_rank_connects(monkeypatch, capsys, options, message):
+    import stress_test
+    from transformers import AutoModelForCausalLM
+
+    def cannot_build(config):
+        raise AssertionError("Padding_idx must be within num_embeddings")
+    monkeypatch.setattr(AutoModelForCausalLM, "from_config", cannot_build)
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        stress_test.load_config(options, world_size=2)
+    assert exit_info.value.code == 2
+    assert not dist_is_initialized()
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("error: ") and message in error and " -> " in error and "\n" not in error
+
+
+def dist_is_initialized():
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 # ----------------------------------------------------------------------------- bench/bench.py
