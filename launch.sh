@@ -123,12 +123,10 @@ fi
 is_count "$NPROC_PER_NODE" || fail "processes per node" "NPROC_PER_NODE=$NPROC_PER_NODE is not a number -> set NPROC_PER_NODE=1 or more"
 WORLD_SIZE=$((NNODES * NPROC_PER_NODE))
 
-# One OpenMP thread pool per process, sharing the cores: without this each of N processes starts
-# one thread per core and they fight over the machine.
+# Each process gets its share of the cores for its OpenMP pool. torchrun alone would give every process
+# one thread when it starts several (torch/distributed/run.py), leaving the other cores of a CPU run idle.
 CORES=$(nproc 2>/dev/null || echo 2)
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( NPROC_PER_NODE > 0 && CORES / NPROC_PER_NODE > 0 ? CORES / NPROC_PER_NODE : 1 ))}
-# A failed NCCL collective tears the process down, so torchrun sees it, instead of hanging the job.
-export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
 if [ "$LAUNCH_DEVICE" = cpu ]; then export CUDA_VISIBLE_DEVICES=""; fi
 
 address_towards_master() {  # the source address of this node's route to the master; empty if there is none
@@ -163,13 +161,13 @@ fi
 TORCHRUN+=("$SCRIPT" "${ARGS[@]}")
 
 if [ "$DRY_RUN" = 1 ]; then
-  echo "OMP_NUM_THREADS=$OMP_NUM_THREADS TORCH_NCCL_ASYNC_ERROR_HANDLING=$TORCH_NCCL_ASYNC_ERROR_HANDLING ${TORCHRUN[*]}"
+  echo "OMP_NUM_THREADS=$OMP_NUM_THREADS ${TORCHRUN[*]}"
   exit 0
 fi
 
 # ---------------------------------------------------------------- checks
 check_script() {
-  [ -f "$SCRIPT" ] || fail "script" "$SCRIPT not found -> name an existing script: train_ddp.py or stress_test.py"
+  [ -f "$SCRIPT" ] || fail "script" "$SCRIPT not found -> name an existing script: train_ddp.py, train_fsdp.py or stress_test.py"
   report "script" "ok ($(basename "$SCRIPT"))"
 }
 

@@ -302,8 +302,8 @@ def write_shards(documents, tokenizer, out_dir, val_fraction, shard_tokens):
     writers = {split: ShardWriter(out_dir, split, pa.from_numpy_dtype(token_dtype), shard_tokens)
                for split in ("train", "val")}
     token_counts, text_bytes = np.zeros(vocab_size, np.int64), 0
-    # encode_batch_fast spreads a batch over all cores and skips the character offsets we never use: ~2.5x
-    # a loop of encode() per document on 2 cores (bench/bench_preprocess.py); tokenizers < 0.21 lacks it
+    # encode_batch_fast spreads a batch over all cores and skips the character offsets we never use: 2.18x
+    # a loop of encode() per document on 2 cores, 6.0x on 32 (bench/RESULTS.md); tokenizers < 0.21 lacks it
     encode_batch = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
     for chunk in chunks(documents):
         texts = [text for _, text, _ in chunk]
