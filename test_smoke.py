@@ -4,7 +4,9 @@
 """
 
 import hashlib
+import contextlib
 import importlib.util
+import io
 import json
 import math
 import os
@@ -72,6 +74,34 @@ def assert_one_line_error(result, *fragments, under_torchrun=False):
         assert fragment in error_lines[0], error_lines[0]
 
 
+def train_in_process(*args, env=None):
+    """train_ddp.main() in this process, as `python train_ddp.py ARGS` runs it, without the seconds a new
+    interpreter spends importing torch and transformers. Returns (the error message or None, the printout).
+    The `error:` line and exit code of a real process are tested by the subprocess tests."""
+    saved_argv, saved_env = sys.argv, dict(os.environ)
+    saved_handlers = {number: signal.getsignal(number) for number in (signal.SIGTERM, signal.SIGINT)}
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(key, None)
+    os.environ.update(env or {})
+    sys.argv = ["train_ddp.py", *map(str, args)]
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            train_ddp.main()
+        error = None
+    except train_ddp.UserError as failure:
+        error = str(failure)
+    finally:
+        sys.argv = saved_argv
+        os.environ.clear()
+        os.environ.update(saved_env)
+        for number, handler in saved_handlers.items():
+            signal.signal(number, handler)
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    return error, printed.getvalue()
+
+
 def read_metrics(out_dir, kind):
     lines = [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
     return [line for line in lines if line["kind"] == kind]
@@ -126,7 +156,10 @@ def test_config_override_is_typed_and_wins_over_the_cpu_preset():
     (["train.micro_batch_size=0"], ["train.micro_batch_size=0 is out of range", "at least 1"]),
 ])
 def test_bad_override_is_one_line_error(override, fragments):
-    assert_one_line_error(run([sys.executable, "train_ddp.py", "--check", *override]), *fragments)
+    if override == ["train.max_step=5"]:  # one through a real process: the error line and exit code
+        assert_one_line_error(run([sys.executable, "train_ddp.py", "--check", *override]), *fragments)
+    error, _ = train_in_process("--check", *override)
+    assert error and all(fragment in error for fragment in fragments), error
 
 
 @pytest.mark.parametrize("override", [
@@ -186,9 +219,9 @@ def test_mfu_peak_is_looked_up_by_exact_gpu_name_only(monkeypatch):
 
 
 def test_global_batch_that_does_not_divide_is_refused():
-    result = run([sys.executable, "train_ddp.py", "--check", "train.global_batch_size=30", "train.micro_batch_size=4"],
-                 env_extra={"WORLD_SIZE": "2"})
-    assert_one_line_error(result, "train.global_batch_size=30 is not a multiple", "train.global_batch_size=32")
+    error, _ = train_in_process("--check", "train.global_batch_size=30", "train.micro_batch_size=4",
+                                env={"WORLD_SIZE": "2"})
+    assert "train.global_batch_size=30 is not a multiple" in error and "train.global_batch_size=32" in error
 
 
 # ----------------------------------------------------------------------------- sampler and masking
@@ -388,51 +421,33 @@ def test_corrupt_checkpoint_is_refused_and_left_untouched(trained_run, data_dir,
     model_file = broken / "model.pt"
     model_file.write_bytes(model_file.read_bytes()[:1000])
     before = {p.name: p.read_bytes() for p in broken.iterdir()}
-    result = run([sys.executable, "train_ddp.py", f"data.dir={data_dir}", *TINY_MODEL,
-                  f"checkpoint.dir={tmp_path}/ckpt", f"out_dir={tmp_path}"])
-    assert_one_line_error(result, "every checkpoint in", "is damaged")
+    error, _ = train_in_process(f"data.dir={data_dir}", *TINY_MODEL, f"checkpoint.dir={tmp_path}/ckpt", f"out_dir={tmp_path}")
+    assert "every checkpoint in" in error and "is damaged" in error
     assert {p.name: p.read_bytes() for p in broken.iterdir()} == before
 
 
 def test_mismatched_model_shape_is_refused_on_resume(trained_run, data_dir, tmp_path):
     out, _ = trained_run
-    result = run([sys.executable, "train_ddp.py", f"data.dir={data_dir}", *TINY_MODEL, "model.n_layer=3",
-                  f"checkpoint.resume={out}/ckpt/step_000004", f"out_dir={tmp_path}", f"checkpoint.dir={tmp_path}/c"])
-    assert_one_line_error(result, "model.n_layer=2", "model.n_layer=3")
+    error, _ = train_in_process(f"data.dir={data_dir}", *TINY_MODEL, "model.n_layer=3",
+                                f"checkpoint.resume={out}/ckpt/step_000004", f"out_dir={tmp_path}",
+                                f"checkpoint.dir={tmp_path}/c")
+    assert "model.n_layer=2" in error and "model.n_layer=3" in error
 
 
 def test_resume_never_refuses_to_overwrite_existing_checkpoints(trained_run, data_dir, tmp_path):
     out, _ = trained_run
-    result = run([sys.executable, "train_ddp.py", f"data.dir={data_dir}", *TINY_MODEL, "checkpoint.resume=never",
-                  f"checkpoint.dir={out}/ckpt", f"out_dir={tmp_path}"])
-    assert_one_line_error(result, "already holds checkpoints")
+    error, _ = train_in_process(f"data.dir={data_dir}", *TINY_MODEL, "checkpoint.resume=never",
+                                f"checkpoint.dir={out}/ckpt", f"out_dir={tmp_path}")
+    assert "already holds checkpoints" in error
 
 
 def test_resuming_an_older_checkpoint_next_to_newer_ones_is_refused(trained_run, data_dir, tmp_path):
     out, _ = trained_run
     before = sorted(p.name for p in (out / "ckpt").iterdir())
-    result = run([sys.executable, "train_ddp.py", f"data.dir={data_dir}", *TINY_MODEL,
-                  f"checkpoint.resume={out}/ckpt/step_000004", f"checkpoint.dir={out}/ckpt", f"out_dir={tmp_path}"])
-    assert_one_line_error(result, "holds checkpoints newer than", "step_000008")
+    error, _ = train_in_process(f"data.dir={data_dir}", *TINY_MODEL, f"checkpoint.resume={out}/ckpt/step_000004",
+                                f"checkpoint.dir={out}/ckpt", f"out_dir={tmp_path}")
+    assert "holds checkpoints newer than" in error and "step_000008" in error
     assert sorted(p.name for p in (out / "ckpt").iterdir()) == before
-
-
-def test_ranks_that_see_different_checkpoint_files_stop_together_instead_of_training_apart(trained_run, data_dir,
-                                                                                            tmp_path):
-    """A network filesystem can show the ranks different files. Here each rank runs in its own working
-    directory, so a relative checkpoint.dir is a different directory per rank: rank 0 sees the step-4
-    checkpoint, rank 1 a newer one. Rank 0 decides, rank 1 cannot load rank 0's choice, and both stop with
-    that message; before, rank 1 resumed its own checkpoint and the two trained different states."""
-    out, _ = trained_run
-    for local_rank, step in [(0, 4), (1, 8)]:
-        shutil.copytree(out / "ckpt" / f"step_{step:06d}", tmp_path / f"rank{local_rank}" / "ckpt" / f"step_{step:06d}")
-    wrapper = tmp_path / "in_own_dir.sh"
-    wrapper.write_text(f'cd "{tmp_path}/rank$LOCAL_RANK" && exec "{sys.executable}" "{REPO}/train_ddp.py" "$@"\n')
-    result = run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-                  "--master-port", str(free_port()), "--no-python", "bash", str(wrapper), f"data.dir={data_dir}",
-                  *EIGHT_STEPS, "checkpoint.dir=ckpt", "out_dir=."])
-    assert_one_line_error(result, "rank 1: cannot load checkpoint ckpt/step_000004", under_torchrun=True)
-    assert not (tmp_path / "rank1" / "metrics.jsonl").exists() and not (tmp_path / "rank0" / "metrics.jsonl").exists()
 
 
 def test_checkpoints_are_ordered_by_step_number_and_old_ones_go_after_the_new_one_is_synced(tmp_path, monkeypatch):
@@ -442,6 +457,7 @@ def test_checkpoints_are_ordered_by_step_number_and_old_ones_go_after_the_new_on
         (ckpt_dir / name).mkdir(parents=True)
         for file_name in train_ddp.CHECKPOINT_FILES:
             (ckpt_dir / name / file_name).write_bytes(b"")
+        train_ddp.write_checksums(ckpt_dir / name, ["model.pt", "optimizer.pt", "train_state.pt"])
     (ckpt_dir / "step_notanumber").mkdir()
     assert [p.name for p in train_ddp.complete_checkpoints(ckpt_dir)] == ["step_999900", "step_1000000"]
     assert train_ddp.find_resume_checkpoint(ckpt_dir, "auto").name == "step_1000000"  # no `latest` pointer: a scan
@@ -478,11 +494,12 @@ for name, helper in [("on_rank0", train_ddp.on_rank0), ("on_all_ranks", train_dd
             results[f"{{name}} failing on {{bad_rank}}"] = helper(fails_on, bad_rank)
         except train_ddp.UserError as error:
             results[f"{{name}} failing on {{bad_rank}}"] = "error: " + str(error)
-print("RESULT", rank, json.dumps(results, sort_keys=True), flush=True)
+with open(f"{{sys.argv[1]}}/rank{{rank}}.json", "w") as file:
+    json.dump(results, file)
 dist.destroy_process_group()
 """)
-    result = torchrun(2, script)
-    per_rank = [json.loads(line.split(" ", 2)[2]) for line in result.stdout.splitlines() if line.startswith("RESULT")]
+    torchrun(2, script, str(tmp_path))
+    per_rank = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     assert len(per_rank) == 2 and per_rank[0] == per_rank[1]
     assert per_rank[0] == {
         "picked": "picked by rank 0",
@@ -497,19 +514,19 @@ def test_log_names_the_real_model_type_of_a_pretrained_model(data_dir, tmp_path)
     from transformers import BertConfig, BertForMaskedLM
     BertForMaskedLM(BertConfig(vocab_size=448, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                                intermediate_size=64, max_position_embeddings=64)).save_pretrained(tmp_path / "bert")
-    result = run([sys.executable, "train_ddp.py", f"data.dir={data_dir}", f"model.pretrained={tmp_path}/bert",
-                  "train.seq_len=64", "train.max_steps=1", "train.global_batch_size=4", "train.micro_batch_size=4",
-                  "train.eval_batches=1", f"out_dir={tmp_path}/out", f"checkpoint.dir={tmp_path}/ckpt"])
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert "model bert (mlm)" in result.stdout  # config.yaml still says model.type=gpt2
+    error, printed = train_in_process(f"data.dir={data_dir}", f"model.pretrained={tmp_path}/bert", "train.seq_len=64",
+                                      "train.max_steps=1", "train.global_batch_size=4", "train.micro_batch_size=4",
+                                      "train.eval_batches=1", f"out_dir={tmp_path}/out", f"checkpoint.dir={tmp_path}/ckpt")
+    assert error is None, error
+    assert "model bert (mlm)" in printed  # config.yaml still says model.type=gpt2
 
 
 def test_exported_model_trains_further_as_model_pretrained(trained_run, data_dir, tmp_path):
     out, _ = trained_run
-    result = run([sys.executable, "train_ddp.py", f"data.dir={data_dir}", f"model.pretrained={out}/final",
-                  *TINY_MODEL, "train.max_steps=2", "train.global_batch_size=16", "train.micro_batch_size=8",
-                  f"out_dir={tmp_path}", f"checkpoint.dir={tmp_path}/ckpt"])
-    assert result.returncode == 0, result.stderr[-2000:]
+    error, _ = train_in_process(f"data.dir={data_dir}", f"model.pretrained={out}/final", *TINY_MODEL,
+                                "train.max_steps=2", "train.global_batch_size=16", "train.micro_batch_size=8",
+                                f"out_dir={tmp_path}", f"checkpoint.dir={tmp_path}/ckpt")
+    assert error is None, error
     first_val = read_metrics(tmp_path, "val")[0]["val_loss"]
     assert first_val == pytest.approx(read_metrics(out, "val")[-1]["val_loss"], rel=1e-4)  # starts where it ended
 
@@ -520,9 +537,9 @@ def test_exported_model_trains_further_as_model_pretrained(trained_run, data_dir
     ("model.n_head=3", "model.n_embd=32 is not divisible by model.n_head=3"),
 ])
 def test_bad_model_settings_are_one_line_errors(override, fragment, data_dir, tmp_path):
-    result = run([sys.executable, "train_ddp.py", f"data.dir={data_dir}", *TINY_MODEL, override,
-                  f"out_dir={tmp_path}", f"checkpoint.dir={tmp_path}/ckpt"])
-    assert_one_line_error(result, fragment)
+    error, _ = train_in_process(f"data.dir={data_dir}", *TINY_MODEL, override, f"out_dir={tmp_path}",
+                                f"checkpoint.dir={tmp_path}/ckpt")
+    assert fragment in error, error
 
 
 # ----------------------------------------------------------------------------- faults (FAULT=kind:rank:step)
@@ -599,14 +616,14 @@ def test_a_damaged_newest_checkpoint_is_passed_over_for_the_next_intact_one(trai
     out, _ = trained_run
     shutil.copytree(out / "ckpt", tmp_path / "ckpt")
     damage(tmp_path / "ckpt" / "step_000008" / "model.pt")
-    result = run([sys.executable, "train_ddp.py", f"data.dir={data_dir}", *EIGHT_STEPS, "train.max_steps=5",
-                  f"out_dir={tmp_path}", f"checkpoint.dir={tmp_path}/ckpt", "export=false"])
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert "step_000008 is damaged (model.pt does not match its checksum)" in result.stdout
-    assert "resumed from" in result.stdout and "step_000004" in result.stdout.split("resumed from")[1].splitlines()[0]
-    named = run([sys.executable, "train_ddp.py", f"data.dir={data_dir}", *EIGHT_STEPS,
-                 f"checkpoint.resume={tmp_path}/ckpt/step_000008", f"out_dir={tmp_path}/b", f"checkpoint.dir={tmp_path}/b/c"])
-    assert_one_line_error(named, "step_000008 is damaged")
+    error, printed = train_in_process(f"data.dir={data_dir}", *EIGHT_STEPS, "train.max_steps=5", f"out_dir={tmp_path}",
+                                      f"checkpoint.dir={tmp_path}/ckpt", "export=false")
+    assert error is None, error
+    assert "step_000008 is damaged (model.pt does not match its checksum)" in printed
+    assert "resumed from" in printed and "step_000004" in printed.split("resumed from")[1].splitlines()[0]
+    error, _ = train_in_process(f"data.dir={data_dir}", *EIGHT_STEPS, f"checkpoint.resume={tmp_path}/ckpt/step_000008",
+                                f"out_dir={tmp_path}/b", f"checkpoint.dir={tmp_path}/b/c")
+    assert "step_000008 is damaged" in error
 
 
 class RunsCode:
@@ -626,22 +643,22 @@ def test_a_checkpoint_holding_pickled_code_is_refused_and_the_code_never_runs(tr
     state_file = tmp_path / "ckpt" / "step_000004" / "train_state.pt"
     torch.save({"step": 4, "payload": RunsCode(marker)}, state_file)
     train_ddp.write_checksums(state_file.parent, ["model.pt", "optimizer.pt", "train_state.pt"])  # passes the checksum
-    result = run([sys.executable, "train_ddp.py", f"data.dir={data_dir}", *EIGHT_STEPS, f"out_dir={tmp_path}",
-                  f"checkpoint.dir={tmp_path}/ckpt"])
-    assert_one_line_error(result, "cannot load checkpoint")
+    error, _ = train_in_process(f"data.dir={data_dir}", *EIGHT_STEPS, f"out_dir={tmp_path}",
+                                f"checkpoint.dir={tmp_path}/ckpt")
+    assert "cannot load checkpoint" in error and "loading refuses them" in error, error
     assert not marker.exists()
 
 
 def test_resume_says_what_changed_applies_it_and_refuses_to_run_no_step(trained_run, data_dir, tmp_path):
     out, _ = trained_run
     shutil.copytree(out / "ckpt", tmp_path / "ckpt")
-    done = run([sys.executable, "train_ddp.py", f"data.dir={data_dir}", *EIGHT_STEPS, f"out_dir={tmp_path}",
-                f"checkpoint.dir={tmp_path}/ckpt"])
-    assert_one_line_error(done, "is at step 8, train.max_steps is 8: nothing left to train")
-    changed = run([sys.executable, "train_ddp.py", f"data.dir={data_dir}", *EIGHT_STEPS, "optim.lr=5e-3",
-                   "train.max_steps=9", f"out_dir={tmp_path}", f"checkpoint.dir={tmp_path}/ckpt", "export=false"])
-    assert changed.returncode == 0, changed.stderr[-2000:]
-    assert "optim.lr 0.01 -> 0.005" in changed.stdout and "train.max_steps 8 -> 9" in changed.stdout
+    error, _ = train_in_process(f"data.dir={data_dir}", *EIGHT_STEPS, f"out_dir={tmp_path}",
+                                f"checkpoint.dir={tmp_path}/ckpt")
+    assert "is at step 8, train.max_steps is 8: nothing left to train" in error
+    error, printed = train_in_process(f"data.dir={data_dir}", *EIGHT_STEPS, "optim.lr=5e-3", "train.max_steps=9",
+                                      f"out_dir={tmp_path}", f"checkpoint.dir={tmp_path}/ckpt", "export=false")
+    assert error is None, error
+    assert "optim.lr 0.01 -> 0.005" in printed and "train.max_steps 8 -> 9" in printed
     cfg = train_ddp.load_config([*EIGHT_STEPS, "optim.lr=5e-3", "train.max_steps=9"], use_cuda=False)
     assert read_metrics(tmp_path, "train")[-1]["lr"] == pytest.approx(5e-3 * train_ddp.lr_factor(8, cfg))
 
@@ -731,11 +748,11 @@ def test_fsdp_masked_lm_with_a_tied_output_layer_gives_the_losses_of_ddp(data_di
     assert runs["train_fsdp.py"] == pytest.approx(runs["train_ddp.py"], rel=1e-5)
 
 
-def test_fsdp_resume_continues_exactly_and_on_other_world_sizes_from_the_same_sample(fsdp_run, data_dir, tmp_path):
+def test_fsdp_resume_continues_exactly_and_on_another_world_size_from_the_same_sample(fsdp_run, data_dir, tmp_path):
     from safetensors.torch import load_file
     out, _ = fsdp_run
     uninterrupted = losses(out)
-    for world_size in [2, 1, 3]:
+    for world_size in [2, 3]:
         resumed_dir = tmp_path / f"resumed_on_{world_size}"
         shutil.copytree(out / "ckpt" / "step_000004", resumed_dir / "ckpt" / "step_000004")
         torchrun(world_size, "train_fsdp.py", f"data.dir={data_dir}", *FSDP_STEPS, f"out_dir={resumed_dir}",
