@@ -396,8 +396,10 @@ def test_resume_continues_bitwise_identically(trained_run, data_dir, tmp_path):
 def test_resume_on_another_world_size_continues_from_the_same_sample(trained_run, data_dir, tmp_path):
     out, _ = trained_run
     moved = tmp_path / "one_rank"
-    torchrun(1, "train_ddp.py", f"data.dir={data_dir}", *EIGHT_STEPS, "model.dropout=0.0",
-             f"checkpoint.resume={out}/ckpt/step_000004", f"out_dir={moved}", f"checkpoint.dir={moved}/ckpt")
+    error, _ = train_in_process(f"data.dir={data_dir}", *EIGHT_STEPS, "model.dropout=0.0",
+                                f"checkpoint.resume={out}/ckpt/step_000004", f"out_dir={moved}",
+                                f"checkpoint.dir={moved}/ckpt")
+    assert error is None, error
     state = torch.load(moved / "ckpt" / "step_000008" / "train_state.pt", weights_only=True)
     assert state["step"] == 8 and state["samples_seen"] == 8 * 16 and state["world_size"] == 1
     assert [t["step"] for t in read_metrics(moved, "train")] == [5, 6, 7, 8]
@@ -596,14 +598,53 @@ def test_a_diverging_run_stops_after_max_bad_steps_and_never_saves_non_finite_we
 
 def test_a_hung_rank_ends_the_job_within_the_timeout_and_is_named(data_dir, tmp_path):
     started = time.monotonic()
-    result = torchrun(2, "train_ddp.py", f"data.dir={data_dir}", *EIGHT_STEPS, "dist.timeout_s=8", f"out_dir={tmp_path}",
+    result = torchrun(2, "train_ddp.py", f"data.dir={data_dir}", *EIGHT_STEPS, "dist.timeout_s=5", f"out_dir={tmp_path}",
                       f"checkpoint.dir={tmp_path}/ckpt", must_pass=False,
-                      env_extra={"FAULT": "hang:1:3", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "5"})
+                      env_extra={"FAULT": "hang:1:3"})
     elapsed = time.monotonic() - started
     assert result.returncode != 0
-    assert elapsed < 8 + 30 + 30, elapsed  # the timeout, torchrun's shutdown grace, and start-up on a slow machine
+    assert elapsed < 5 + 30 + 30, elapsed  # the timeout, torchrun's 30 s before SIGKILL, start-up on a slow machine
     errors = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith("error:")]
     assert errors and "waited longer than dist.timeout_s" in errors[0] and "stopped answering: [1]" in errors[0], errors
+
+
+def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step_with_a_checkpoint(data_dir, tmp_path):
+    """A preemption notice may reach one process only: rank 1 gets SIGTERM, every rank stops after the same
+    step, the checkpoint of that step is written, the job exits non-zero, and a new start resumes from it."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+               "--master-port", str(free_port()), str(REPO / "train_ddp.py"), f"data.dir={data_dir}", *EIGHT_STEPS,
+               "train.max_steps=100000", "checkpoint.every=100000", f"out_dir={tmp_path}", f"checkpoint.dir={tmp_path}/ckpt"]
+    process = subprocess.Popen(command, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    output = []
+    for line in process.stdout:
+        output.append(line)
+        if line.startswith("step 3/"):
+            break
+    rank1 = [pid for pid in os.listdir("/proc") if pid.isdigit() and process_env(pid).get("RANK") == "1"
+             and process_env(pid).get("MASTER_PORT") == command[command.index("--master-port") + 1]]
+    assert len(rank1) == 1, rank1
+    os.kill(int(rank1[0]), signal.SIGTERM)
+    output += process.stdout.readlines()
+    process.wait(timeout=120)
+    text = "".join(output)
+    assert process.returncode != 0
+    stopped = re.search(r"error: stopped at step (\d+) by a stop signal", text)
+    assert stopped, text[-3000:]
+    step = int(stopped.group(1))
+    assert train_ddp.checksum_mismatch(tmp_path / "ckpt" / f"step_{step:06d}") is None
+    error, printed = train_in_process(f"data.dir={data_dir}", *EIGHT_STEPS, f"train.max_steps={step + 1}",
+                                      "checkpoint.every=100000", f"out_dir={tmp_path}", f"checkpoint.dir={tmp_path}/ckpt",
+                                      "export=false")
+    assert error is None and f"resumed from {tmp_path}/ckpt/step_{step:06d}" in printed, (error, printed)
+
+
+def process_env(pid):
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
 
 
 def damage(path):

@@ -1370,7 +1370,13 @@ def report_lost_ranks(error):
 
 if __name__ == "__main__":
     try:
-        main()
+        try:
+            main()
+        finally:
+            # leaving: torchrun's SIGTERM must end this process at once again (seen: a rank whose group
+            # teardown waited for a rank already gone kept running in our stop-at-step-end handler until
+            # torchrun's SIGKILL 30 s later)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
     except UserError as error:
         if int(os.environ.get("RANK", "0")) == 0:  # every rank raised the same error; rank 0 says it once
             print(f"error: {error}", file=sys.stderr, flush=True)
