@@ -1,0 +1,104 @@
+"""Where a training step's time goes: torch.profiler over a few steps of train_ddp.py or train_fsdp.py.
+
+    python3 bench/profile_steps.py train_fsdp.py NAME FIRST LAST -- --nproc_per_node 2 SCRIPT key=value ...
+
+Writes a copy of the trainer to .baselines/prof/NAME/ (ignored by git) with a profiler window over the steps
+after FIRST up to LAST, then runs it with torchrun (the arguments after `--`; SCRIPT stands for the copy).
+Each rank prints one `PROF` line: the window's wall time, how long the GPU ran any kernel (the union of kernel
+intervals: 1 - busy/wall is the time the GPU sat idle), the union of non-NCCL kernels, and the sum of NCCL kernel
+times (an NCCL kernel also runs while it waits for the other rank, so a large sum on one rank points at the other).
+Rank 0 also prints the top kernels and host calls, and (PROF_STACK=1) the operator chain above every
+cudaMemcpyAsync and cudaStreamSynchronize, i.e. where the host waited for the GPU. CUDA only.
+"""
+import collections
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+ANCHOR = "        micro_batches, step_input_tokens, step_label_tokens = next_batches\n"
+
+
+class Window:
+    """The profiler between two steps; the trainer's copy calls window.at(step, rank) once per step."""
+
+    def __init__(self, name, first, last):
+        self.name, self.first, self.last = name, first, last
+
+    def at(self, step, rank):
+        if step == self.first:
+            torch.cuda.synchronize()
+            self.profile = torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA],
+                with_stack=bool(os.environ.get("PROF_STACK")))
+            self.profile.__enter__()
+            self.start = time.perf_counter()
+        if step == self.last:
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - self.start
+            self.profile.__exit__(None, None, None)
+            self.report(wall, rank)
+
+    def report(self, wall, rank):
+        events = self.profile.events()
+        kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
+                         if e.device_type == torch.autograd.DeviceType.CUDA)
+        busy = compute = nccl = 0
+        busy_end = compute_end = -1
+        for start, end, name in kernels:
+            if end > busy_end:
+                busy, busy_end = busy + end - max(start, busy_end), end
+            if "nccl" in name.lower():
+                nccl += end - start
+            elif end > compute_end:
+                compute, compute_end = compute + end - max(start, compute_end), end
+        print(f"PROF rank {rank} {self.name}: wall {wall * 1e3:.1f} ms for {self.last - self.first} steps, "
+              f"GPU busy (any kernel) {busy / 1e3:.1f} ms, compute-kernel union {compute / 1e3:.1f} ms, "
+              f"nccl kernel sum {nccl / 1e3:.1f} ms", flush=True)
+        if rank != 0:
+            return
+        averages = self.profile.key_averages()
+        print(averages.table(sort_by="self_cuda_time_total", row_limit=25), flush=True)
+        print(averages.table(sort_by="self_cpu_time_total", row_limit=15), flush=True)
+        chains = collections.Counter()
+        for event in events:
+            if event.name in ("cudaMemcpyAsync", "cudaStreamSynchronize"):
+                chain, parent = [], event.cpu_parent
+                while parent is not None and len(chain) < 7:
+                    chain.append(parent.name[:60])
+                    parent = parent.cpu_parent
+                chains[(event.name, " <- ".join(chain))] += 1
+        for (name, chain), count in chains.most_common(25):
+            print("CHAIN", name, count, chain, flush=True)
+
+
+def main():
+    script, name, first, last = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    torchrun_args = sys.argv[sys.argv.index("--") + 1:]
+    text = (REPO / script).read_text()
+    if ANCHOR not in text:
+        sys.exit(f"error: {script} no longer has the line this script hooks into -> update ANCHOR")
+    hook = ("        __import__('profile_steps').Window.shared.at(step, rank)\n")
+    text = text.replace(ANCHOR, ANCHOR + hook)
+    copy_dir = REPO / ".baselines" / "prof" / name
+    copy_dir.mkdir(parents=True, exist_ok=True)
+    (copy_dir / script).write_text(text)
+    (copy_dir / "config.yaml").write_text((REPO / "config.yaml").read_text())
+    where = torchrun_args.index("SCRIPT")
+    command = ["torchrun", *torchrun_args[:where], str(copy_dir / script), *torchrun_args[where + 1:]]
+    env = {**os.environ, "PYTHONPATH": f"{REPO / 'bench'}:{os.environ.get('PYTHONPATH', '')}",
+           "PROF_WINDOW": f"{name}:{first}:{last}"}
+    print(" ".join(command), flush=True)
+    sys.exit(subprocess.call(command, cwd=REPO, env=env))
+
+
+if "PROF_WINDOW" in os.environ:  # imported by the trainer's copy
+    _name, _first, _last = os.environ["PROF_WINDOW"].rsplit(":", 2)
+    Window.shared = Window(_name, int(_first), int(_last))
+
+if __name__ == "__main__":
+    main()
