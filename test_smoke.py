@@ -1635,6 +1635,154 @@ def test_options_that_used_to_fail_late_are_checked_before_any_rank_connects(mon
     assert error.startswith("error: ") and message in error and " -> " in error and "\n" not in error
 
 
+# ----------------------------------------------------------------------------- where the time goes (metrics)
+
+METRIC_KEYS = ["gpu_util", "mem_alloc_gib", "mem_reserved_gib", "mem_peak_gib", "steps_per_sec", "tokens_per_sec", "mfu",
+               "grad_norm", "allreduce_p50_ms", "allreduce_p95_ms", "comm_exposed_ms", "data_wait_frac", "step_time_skew"]
+
+
+def test_every_log_line_holds_the_metrics_and_tensorboard_the_same_numbers(trained_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    out, result = trained_run
+    train = read_metrics(out, "train")
+    for record in train:
+        assert set(METRIC_KEYS) <= set(record), set(METRIC_KEYS) - set(record)
+        assert all(record[key] is None for key in ["gpu_util", "mem_alloc_gib", "mfu"])  # CPU: no GPU figures
+        # 16 sequences of 64 tokens per step, one step per log line
+        assert record["tokens_per_sec"] / record["steps_per_sec"] == pytest.approx(16 * 64)
+        assert 0 <= record["data_wait_frac"] < 1 and record["step_time_skew"] >= 1 and record["slowest_rank"] in (0, 1)
+        assert 0 < record["grad_norm"] < math.inf
+    assert re.search(r"^step 8/8 \| .* \| data \d+\.\d% \| skew \d+\.\d\d \(rank [01]\) \| ETA", result.stdout, re.M)
+    events = EventAccumulator(str(out / "tensorboard")).Reload()
+    for key in ["loss", "tokens_per_sec", "data_wait_frac", "step_time_skew"]:
+        logged = [(r["step"], r[key]) for r in train]
+        written = [(event.step, event.value) for event in events.Scalars(f"train/{key}")]
+        assert written == [(step, pytest.approx(value, rel=1e-6)) for step, value in logged], key  # float32 there
+    assert [event.value for event in events.Scalars("val/val_loss")] == pytest.approx(
+        [r["val_loss"] for r in read_metrics(out, "val")], rel=1e-6)
+
+
+def scrape(port):
+    """{metric name: value} of one Prometheus endpoint, or None while it does not answer."""
+    import urllib.request
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    except OSError:
+        return None
+    return {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith("trainer_")}
+
+
+def test_prometheus_answers_during_a_run_with_the_logged_numbers_and_a_slow_rank_shows_as_skew(data_dir, tmp_path):
+    """Rank 1 takes 2 s more to build its batches in step 3: rank 0 waits for it at the step's sync, so the
+    interval of steps 3-4 names rank 1 slowest, with a large data wait. Both ranks stop (hang) in step 5, so
+    each endpoint holds step 4's numbers while the test reads them."""
+    port = free_port()
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+               "--master-port", str(free_port()), str(REPO / "train_ddp.py"), f"data.dir={data_dir}", *EIGHT_STEPS,
+               "log.every=2", "checkpoint.every=0", "train.eval_every=100", f"log.prometheus_port={port}",
+               f"out_dir={tmp_path}", f"checkpoint.dir={tmp_path}/ckpt"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "FAULT": "slow:1:3,hang:0:5,hang:1:5"}
+    log = tmp_path / "output.log"
+    with open(log, "w") as output:  # a file, not a pipe: nobody reads a pipe while the test polls
+        process = subprocess.Popen(command, cwd=REPO, env=env, stdout=output, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+    try:
+        deadline, scraped = time.monotonic() + 240, [None, None]
+        while not all(s and s.get("trainer_step") == 4 for s in scraped):
+            assert process.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.5)
+            scraped = [scrape(port), scrape(port + 1)]
+    finally:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    record = {r["step"]: r for r in read_metrics(tmp_path, "train")}[4]
+    numbers = {f"trainer_{key}": value for key, value in record.items() if isinstance(value, (int, float))}
+    assert scraped[0].pop("trainer_val_loss") == pytest.approx(read_metrics(tmp_path, "val")[0]["val_loss"], rel=1e-12)
+    assert scraped[0] == pytest.approx(numbers, rel=1e-12)  # rank 0's gauges: the logged record, number for number
+    assert "trainer_mfu" not in scraped[0] and "trainer_gpu_util" not in scraped[0]  # null on a CPU: no gauge
+    for name in ["trainer_loss", "trainer_grad_norm", "trainer_data_wait_frac", "trainer_step_time_skew"]:
+        assert scraped[1][name] == pytest.approx(numbers[name], rel=1e-12), name  # the same on every rank
+    assert record["slowest_rank"] == 1
+    # rank 0 waited about 2 s of an interval of 2 s + two tiny steps: its busy time is a fraction of rank 1's
+    assert record["step_time_skew"] > 1.5 and record["data_wait_frac"] > 0.5, record
+
+
+def test_metrics_run_without_tensorboard_prometheus_client_and_pynvml(data_dir, tmp_path, monkeypatch):
+    for name in ["tensorboard", "torch.utils.tensorboard", "prometheus_client", "pynvml"]:
+        monkeypatch.setitem(sys.modules, name, None)  # import now raises ImportError, as if not installed
+    error, printed = train_in_process(f"data.dir={data_dir}", *EIGHT_STEPS, "train.max_steps=2", "checkpoint.every=0",
+                                      "export=false", f"log.prometheus_port={free_port()}", f"out_dir={tmp_path}",
+                                      f"checkpoint.dir={tmp_path}/ckpt")
+    assert error is None, error
+    assert "note: no TensorBoard logs: tensorboard is not installed" in printed
+    assert "note: no Prometheus endpoint: prometheus_client is not installed" in printed
+    assert [r["step"] for r in read_metrics(tmp_path, "train")] == [1, 2] and not (tmp_path / "tensorboard").exists()
+    # a GPU without pynvml: no utilisation, one note, no error
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: pytest.fail("NVML is not there"))
+    with contextlib.redirect_stdout(io.StringIO()) as note:
+        assert train_ddp.gpu_util_reader(torch.device("cuda", 0), enabled=True) is None
+    assert "pip install nvidia-ml-py" in note.getvalue()
+
+
+def test_gpu_utilisation_is_read_for_this_process_gpu_by_uuid(monkeypatch):
+    """CUDA_VISIBLE_DEVICES=3,1 makes the machine's GPU 3 cuda:0; NVML knows it as index 3. The handle must
+    come from the device's UUID, never from CUDA's index."""
+    import types
+    fake = types.ModuleType("pynvml")
+    fake.NVMLError = type("NVMLError", (Exception,), {})
+    utilisation = {"GPU-cccc": 97, "GPU-bbbb": 5}
+    fake.nvmlInit = lambda: None
+    fake.nvmlDeviceGetHandleByUUID = lambda uuid: uuid
+    fake.nvmlDeviceGetHandleByIndex = lambda index: pytest.fail("looked up by index")
+    fake.nvmlDeviceGetUtilizationRates = lambda handle: types.SimpleNamespace(gpu=utilisation[handle])
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    uuids = {0: "cccc", 1: "bbbb"}  # what CUDA reports for cuda:0 and cuda:1
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(uuid=uuids[device.index]))
+    assert train_ddp.gpu_util_reader(torch.device("cuda", 0), enabled=True)() == 97
+    assert train_ddp.gpu_util_reader(torch.device("cuda", 1), enabled=True)() == 5
+    assert train_ddp.gpu_util_reader(torch.device("cuda", 0), enabled=False) is None  # log.gpu_util=false
+    assert train_ddp.gpu_util_reader(torch.device("cpu"), enabled=True) is None
+
+
+def test_a_taken_prometheus_port_is_a_one_line_error(data_dir, tmp_path, busy_port):
+    error, _ = train_in_process(f"data.dir={data_dir}", *EIGHT_STEPS, f"log.prometheus_port={busy_port}",
+                                f"out_dir={tmp_path}", f"checkpoint.dir={tmp_path}/ckpt")
+    assert error and f"cannot serve Prometheus metrics on port {busy_port}" in error and "log.prometheus_port" in error
+
+
+def test_model_flops_are_what_the_flop_counter_counts_with_causal_attention_half(data_dir):
+    """torch's FlopCounterMode counts every matmul a forward + backward runs. It counts eager attention's full
+    T x T scores (computed, then masked), and not SDPA's fused CPU kernel at all (torch 2.13), so the models
+    here use eager attention. Our count differs from it in two stated ways only: 6 x matmul_params also counts
+    biases and norm weights (FlopCounterMode counts no bias), and causal attention counts half the scores."""
+    from torch.utils.flop_counter import FlopCounterMode
+    meta = train_ddp.read_meta(data_dir)
+    special = meta["special_tokens"]
+    for model_type, task in [("gpt2", "causal"), ("bert", "mlm")]:
+        cfg = train_ddp.load_config([f"model.type={model_type}", *TINY_MODEL, "model.attention=eager",
+                                     "train.micro_batch_size=3"], use_cuda=False)
+        model, _ = train_ddp.build_model(cfg, task, 448, special, torch.device("cpu"))
+        data = train_ddp.ArrowTokens(data_dir, meta, "train", task, 64, special)
+        ids = np.arange(40, 43)  # MLM: three documents of different lengths, padded to the longest
+        lengths = [data.length(int(i)) for i in ids]
+        batch = train_ddp.make_micro_batch(data, ids, np.zeros(3, int), cfg, special, torch.device("cpu"))
+        with FlopCounterMode(display=False) as counter:
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            train_ddp.token_loss_sum(logits, batch["labels"]).backward()
+        counted = {str(op): flops for op, flops in counter.get_flop_counts()["Global"].items()}
+        positions = batch["input_ids"].numel()
+        assert positions == 3 * max(lengths) and (task == "causal" or len(set(lengths)) > 1), lengths
+        matmul_params = train_ddp.count_matmul_params(model)
+        not_multiplied = sum(p.numel() for p in model.parameters() if p.dim() < 2)  # biases, norm weights
+        assert counted["aten.mm"] + counted["aten.addmm"] == 6 * (matmul_params - not_multiplied) * positions
+        full_attention = counted["aten.bmm"]
+        ours = train_ddp.model_flops([lengths], matmul_params, 2, 32, task == "causal", attention_unpads=False)
+        assert ours - 6 * matmul_params * positions == full_attention / (2 if task == "causal" else 1)
+    unpadded = train_ddp.model_flops([[3, 5]], 0, 2, 32, causal=False, attention_unpads=True)
+    assert unpadded == 12 * 2 * 32 * (3 * 3 + 5 * 5)  # FlashAttention-2 attends within each sample only
+
+
 def dist_is_initialized():
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
