@@ -1745,6 +1745,32 @@ def test_gpu_utilisation_is_read_for_this_process_gpu_by_uuid(monkeypatch):
     assert train_ddp.gpu_util_reader(torch.device("cpu"), enabled=True) is None
 
 
+def test_span_timer_on_a_gpu_sums_event_pairs_and_reuses_its_events(monkeypatch):
+    """The GPU path without a GPU: fake CUDA events that read a fake clock."""
+    clock, created = iter([1.0, 1.5, 2.0, 2.25, 3.0, 3.125]), []
+
+    class FakeEvent:
+        def __init__(self, enable_timing):
+            assert enable_timing
+            created.append(self)
+
+        def record(self):
+            self.at = next(clock)
+
+        def elapsed_time(self, end):
+            return (end.at - self.at) * 1e3  # milliseconds, as CUDA's
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    timer = train_ddp.SpanTimer(torch.device("cuda", 0))
+    for _ in range(2):
+        with timer:
+            pass
+    assert timer.total_s() == 0.75 and len(created) == 4
+    with timer:
+        pass
+    assert timer.total_s() == 0.125 and len(created) == 4  # the second interval's span reused a pair
+
+
 def test_a_taken_prometheus_port_is_a_one_line_error(data_dir, tmp_path, busy_port):
     error, _ = train_in_process(f"data.dir={data_dir}", *EIGHT_STEPS, f"log.prometheus_port={busy_port}",
                                 f"out_dir={tmp_path}", f"checkpoint.dir={tmp_path}/ckpt")
@@ -1805,13 +1831,15 @@ def test_bench_reads_nanogpt_and_our_logs_over_the_same_window_and_writes_one_ro
     assert theirs["tokens_per_sec"] == pytest.approx(2000.0) and theirs["window"] == "steps 3-6"
     # ours: intervals of 2 steps; skip 2 -> steps 3-4 (2000 tokens at 1000/s) and 5-6 (2000 at 4000/s)
     records = [{"kind": "start", "step": 0}, {"kind": "val", "step": 0, "val_loss": 9.0}]
-    for step, tokens_per_sec in [(2, 10.0), (4, 1000.0), (6, 4000.0)]:
+    for step, tokens_per_sec, data_wait in [(2, 10.0, 0.9), (4, 1000.0, 0.2), (6, 4000.0, 0.3)]:
         records.append({"kind": "train", "step": step, "tokens_seen": 1000 * step, "tokens_per_sec": tokens_per_sec,
-                        "mfu": tokens_per_sec / 1e4, "mem_peak_gib": step / 2})
+                        "mfu": tokens_per_sec / 1e4, "mem_peak_gib": step / 2, "data_wait_frac": data_wait})
     ours = bench.read_our_metrics(records, skip_steps=2)
     assert ours["tokens_per_sec"] == pytest.approx(4000 / 2.5)  # the window's tokens over its time, not a mean of rates
     assert ours["mfu"] == pytest.approx(0.16) and ours["peak_mem_gib"] == 3.0 and ours["window"] == "steps 3-6"
-    assert ours["data_wait_fraction"] is None  # the trainer does not write it yet
+    assert ours["data_wait_fraction"] == pytest.approx((0.2 * 2 + 0.3 * 0.5) / 2.5)  # weighted by interval time
+    on_cpu = [{**r, "mfu": None, "mem_peak_gib": None, "data_wait_frac": None} for r in records[2:]]
+    assert bench.read_our_metrics(on_cpu, skip_steps=2)["mfu"] is None  # null figures stay null, no error
 
     common = {"date": "2026-12-01", "machine": "2 × GPU", "nanogpt_commit": "3adf61e1", "tiny": False}
     stage_records = [
@@ -1820,10 +1848,15 @@ def test_bench_reads_nanogpt_and_our_logs_over_the_same_window_and_writes_one_ro
         {**common, "stage": "shapeA_2gpu", "side": "ours", "gpus": 2, "command": "ours2", "tokens_per_sec": 780.0},
         {**common, "stage": "shapeA_2gpu", "side": "nanogpt", "gpus": 2, "status": "timeout after 240s"},
         {**common, "stage": "hf_trainer", "side": "hf_trainer", "gpus": 1, "command": "hf", "tokens_per_sec": 200.0},
+        *[{**common, "stage": "metrics_cost_shapeA_1gpu", "side": side, "gpus": 1, "command": side, "tokens_per_sec": tps}
+          for side, tps in [("config:metrics_off#1", 400.0), ("config:metrics_on#1", 396.0),
+                            ("config:metrics_off#2", 404.0), ("config:metrics_on#2", 398.0)]],
     ]
     rows = {row["metric"]: row for row in bench.figures(stage_records)}
     assert set(rows) == {"shapeA_1gpu_tokens_per_sec", "shapeA_2gpu_tokens_per_sec", "shapeA_scaling_1to2",
-                         "data_wait_fraction", "hf_trainer_shapeA_tokens_per_sec"}
+                         "data_wait_fraction", "hf_trainer_shapeA_tokens_per_sec",
+                         "metrics_on_vs_off_shapeA_1gpu_tokens_per_sec"}
+    assert rows["metrics_on_vs_off_shapeA_1gpu_tokens_per_sec"]["ratio"] == pytest.approx(397 / 402)  # means of 2
     keys = {"date", "machine", "metric", "value", "unit", "baseline", "baseline_value", "ratio", "command"}
     assert all(keys <= set(row) for row in rows.values())
     one_gpu = rows["shapeA_1gpu_tokens_per_sec"]
@@ -1833,14 +1866,17 @@ def test_bench_reads_nanogpt_and_our_logs_over_the_same_window_and_writes_one_ro
     assert rows["shapeA_scaling_1to2"]["value"] == pytest.approx(1.95)
     assert rows["hf_trainer_shapeA_tokens_per_sec"]["ratio"] == pytest.approx(0.5)
     assert rows["data_wait_fraction"]["value"] is None and "not report" in rows["data_wait_fraction"]["note"]
+    assert bench.CONFIG_SIDES["metrics_off"] == [o.replace("true", "false").replace("{prometheus_port}", "0")
+                                                 for o in bench.CONFIG_SIDES["metrics_on"]]  # the same three knobs
     assert "| shapeA_1gpu | 1 |" in bench.summary_markdown(stage_records, list(rows.values()))
 
 
 def test_bench_flops_per_token_counts_what_the_trainer_counts():
-    """The nanoGPT MFU in the bench uses the trainer's formula: same matmul parameters as count_matmul_params."""
+    """The nanoGPT MFU in the bench uses the trainer's count: same matmul parameters, causal attention."""
     from transformers import AutoModelForCausalLM, GPT2Config
     bench = load_bench()
     shape, batch = {"n_layer": 2, "n_head": 2, "n_embd": 32}, {"vocab_size": 128, "seq_len": 16}
     model = AutoModelForCausalLM.from_config(GPT2Config(vocab_size=128, n_positions=16, n_embd=32, n_layer=2, n_head=2))
-    expected = 6 * train_ddp.count_matmul_params(model) + 12 * 2 * 32 * 16
-    assert bench.flops_per_token(shape, batch) == expected
+    three_sequences = train_ddp.model_flops([[16] * 3], train_ddp.count_matmul_params(model), 2, 32, causal=True,
+                                            attention_unpads=False)
+    assert bench.flops_per_token(shape, batch) == three_sequences / (3 * 16)
