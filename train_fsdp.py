@@ -281,7 +281,8 @@ def main():
                 loss_sum = loss_sum * float("nan")  # FAULT
             scaler.scale(loss_sum * loss_scale).backward()
             step_loss_sum += loss_sum.detach()
-        # the next step's batches, built on the host while the GPU still runs this step's backward
+        # the next step's batches, built on the host while the GPU still runs this step's backward; data_wait
+        # counts what that costs the device: on a GPU only the time it sits idle waiting for them
         with data_wait:
             if fault("slow", step + 1):  # FAULT
                 time.sleep(2)  # FAULT
@@ -329,8 +330,9 @@ def main():
             now = time.perf_counter()  # the next interval starts here: it pays for this log line's work
             elapsed = now - interval_start - paused_s
             tokens_per_sec = interval_input_tokens / elapsed
-            # Every rank's busy time (the interval less its waits for the others at the step's sync) and share
-            # of time waiting for data, in one small all_gather per interval: the slowest rank holds up all.
+            # Every rank's busy time (the interval less its waits for the others at the step's sync) and the
+            # share of the interval its device sat idle while its host built batches, in one small all_gather
+            # per interval: the slowest rank holds up all, so the skew and the largest data wait are logged.
             busy_s, data_wait_frac = elapsed - sync_wait.total_s(), data_wait.total_s() / elapsed
             per_rank = gather_floats([busy_s, data_wait_frac], device)
             rank_busy_s = [busy for busy, _ in per_rank]
