@@ -178,6 +178,7 @@ def test_bad_override_is_one_line_error(override, fragments):
     "train.global_batch_size=0", "train.global_batch_size=-16", "train.micro_batch_size=0", "optim.grad_clip=-1",
     "optim.min_lr=-1", "optim.warmup_steps=-5", "train.mlm_probability=-1", "train.mlm_probability=1.5",
     "model.n_layer=0", "model.n_embd=-128", "model.dropout=2.0", "optim.beta1=1.5", "optim.lr=0", "dist.timeout_s=0",
+    "log.prometheus_port=70000",
 ])
 def test_values_of_the_right_type_but_out_of_range_are_refused(override):
     """Each of these passed the type check and then trained wrongly (NaN, flipped gradients) or crashed."""
@@ -1646,6 +1647,180 @@ def test_options_that_used_to_fail_late_are_checked_before_any_rank_connects(mon
     assert error.startswith("error: ") and message in error and " -> " in error and "\n" not in error
 
 
+# ----------------------------------------------------------------------------- where the time goes (metrics)
+
+METRIC_KEYS = ["gpu_util", "mem_alloc_gib", "mem_reserved_gib", "mem_peak_gib", "steps_per_sec", "tokens_per_sec", "mfu",
+               "grad_norm", "allreduce_p50_ms", "allreduce_p95_ms", "comm_exposed_ms", "data_wait_frac", "step_time_skew"]
+
+
+def test_every_log_line_holds_the_metrics_and_tensorboard_the_same_numbers(trained_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    out, result = trained_run
+    train = read_metrics(out, "train")
+    for record in train:
+        assert set(METRIC_KEYS) <= set(record), set(METRIC_KEYS) - set(record)
+        assert all(record[key] is None for key in ["gpu_util", "mem_alloc_gib", "mfu"])  # CPU: no GPU figures
+        # 16 sequences of 64 tokens per step, one step per log line
+        assert record["tokens_per_sec"] / record["steps_per_sec"] == pytest.approx(16 * 64)
+        assert 0 <= record["data_wait_frac"] < 1 and record["step_time_skew"] >= 1 and record["slowest_rank"] in (0, 1)
+        assert 0 < record["grad_norm"] < math.inf
+    assert re.search(r"^step 8/8 \| .* \| data \d+\.\d% \| skew \d+\.\d\d \(rank [01]\) \| ETA", result.stdout, re.M)
+    events = EventAccumulator(str(out / "tensorboard")).Reload()
+    for key in ["loss", "tokens_per_sec", "data_wait_frac", "step_time_skew"]:
+        logged = [(r["step"], r[key]) for r in train]
+        written = [(event.step, event.value) for event in events.Scalars(f"train/{key}")]
+        assert written == [(step, pytest.approx(value, rel=1e-6)) for step, value in logged], key  # float32 there
+    assert [event.value for event in events.Scalars("val/val_loss")] == pytest.approx(
+        [r["val_loss"] for r in read_metrics(out, "val")], rel=1e-6)
+
+
+def scrape(port):
+    """{metric name: value} of one Prometheus endpoint, or None while it does not answer."""
+    import urllib.request
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    except OSError:
+        return None
+    return {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith("trainer_")}
+
+
+def test_prometheus_answers_during_a_run_with_the_logged_numbers_and_a_slow_rank_shows_as_skew(data_dir, tmp_path):
+    """Rank 1 takes 2 s more to build its batches in step 3: rank 0 waits for it at the step's sync, so the
+    interval of steps 3-4 names rank 1 slowest, with a large data wait. Both ranks stop (hang) in step 5, so
+    each endpoint holds step 4's numbers while the test reads them."""
+    port = free_port()
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+               "--master-port", str(free_port()), str(REPO / "train_ddp.py"), f"data.dir={data_dir}", *EIGHT_STEPS,
+               "log.every=2", "checkpoint.every=0", "train.eval_every=100", f"log.prometheus_port={port}",
+               f"out_dir={tmp_path}", f"checkpoint.dir={tmp_path}/ckpt"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "FAULT": "slow:1:3,hang:0:5,hang:1:5"}
+    log = tmp_path / "output.log"
+    with open(log, "w") as output:  # a file, not a pipe: nobody reads a pipe while the test polls
+        process = subprocess.Popen(command, cwd=REPO, env=env, stdout=output, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+    try:
+        deadline, scraped = time.monotonic() + 240, [None, None]
+        while not all(s and s.get("trainer_step") == 4 for s in scraped):
+            assert process.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.5)
+            scraped = [scrape(port), scrape(port + 1)]
+    finally:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    record = {r["step"]: r for r in read_metrics(tmp_path, "train")}[4]
+    numbers = {f"trainer_{key}": value for key, value in record.items() if isinstance(value, (int, float))}
+    assert scraped[0].pop("trainer_val_loss") == pytest.approx(read_metrics(tmp_path, "val")[0]["val_loss"], rel=1e-12)
+    assert scraped[0] == pytest.approx(numbers, rel=1e-12)  # rank 0's gauges: the logged record, number for number
+    assert "trainer_mfu" not in scraped[0] and "trainer_gpu_util" not in scraped[0]  # null on a CPU: no gauge
+    for name in ["trainer_loss", "trainer_grad_norm", "trainer_data_wait_frac", "trainer_step_time_skew"]:
+        assert scraped[1][name] == pytest.approx(numbers[name], rel=1e-12), name  # the same on every rank
+    assert record["slowest_rank"] == 1
+    # rank 0 waited about 2 s of an interval of 2 s + two tiny steps: its busy time is a fraction of rank 1's
+    assert record["step_time_skew"] > 1.5 and record["data_wait_frac"] > 0.5, record
+
+
+def test_metrics_run_without_tensorboard_prometheus_client_and_pynvml(data_dir, tmp_path, monkeypatch):
+    for name in ["tensorboard", "torch.utils.tensorboard", "prometheus_client", "pynvml"]:
+        monkeypatch.setitem(sys.modules, name, None)  # import now raises ImportError, as if not installed
+    error, printed = train_in_process(f"data.dir={data_dir}", *EIGHT_STEPS, "train.max_steps=2", "checkpoint.every=0",
+                                      "export=false", f"log.prometheus_port={free_port()}", f"out_dir={tmp_path}",
+                                      f"checkpoint.dir={tmp_path}/ckpt")
+    assert error is None, error
+    assert "note: no TensorBoard logs: tensorboard is not installed" in printed
+    assert "note: no Prometheus endpoint: prometheus_client is not installed" in printed
+    assert [r["step"] for r in read_metrics(tmp_path, "train")] == [1, 2] and not (tmp_path / "tensorboard").exists()
+    # a GPU without pynvml: no utilisation, one note, no error
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: pytest.fail("NVML is not there"))
+    with contextlib.redirect_stdout(io.StringIO()) as note:
+        assert train_ddp.gpu_util_reader(torch.device("cuda", 0), enabled=True) is None
+    assert "pip install nvidia-ml-py" in note.getvalue()
+
+
+def test_gpu_utilisation_is_read_for_this_process_gpu_by_uuid(monkeypatch):
+    """CUDA_VISIBLE_DEVICES=3,1 makes the machine's GPU 3 cuda:0; NVML knows it as index 3. The handle must
+    come from the device's UUID, never from CUDA's index."""
+    import types
+    fake = types.ModuleType("pynvml")
+    fake.NVMLError = type("NVMLError", (Exception,), {})
+    utilisation = {"GPU-cccc": 97, "GPU-bbbb": 5}
+    fake.nvmlInit = lambda: None
+    fake.nvmlDeviceGetHandleByUUID = lambda uuid: uuid
+    fake.nvmlDeviceGetHandleByIndex = lambda index: pytest.fail("looked up by index")
+    fake.nvmlDeviceGetUtilizationRates = lambda handle: types.SimpleNamespace(gpu=utilisation[handle])
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    uuids = {0: "cccc", 1: "bbbb"}  # what CUDA reports for cuda:0 and cuda:1
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(uuid=uuids[device.index]))
+    assert train_ddp.gpu_util_reader(torch.device("cuda", 0), enabled=True)() == 97
+    assert train_ddp.gpu_util_reader(torch.device("cuda", 1), enabled=True)() == 5
+    assert train_ddp.gpu_util_reader(torch.device("cuda", 0), enabled=False) is None  # log.gpu_util=false
+    assert train_ddp.gpu_util_reader(torch.device("cpu"), enabled=True) is None
+
+
+def test_span_timer_on_a_gpu_sums_event_pairs_and_reuses_its_events(monkeypatch):
+    """The GPU path without a GPU: fake CUDA events that read a fake clock."""
+    clock, created = iter([1.0, 1.5, 2.0, 2.25, 3.0, 3.125]), []
+
+    class FakeEvent:
+        def __init__(self, enable_timing):
+            assert enable_timing
+            created.append(self)
+
+        def record(self):
+            self.at = next(clock)
+
+        def elapsed_time(self, end):
+            return (end.at - self.at) * 1e3  # milliseconds, as CUDA's
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    timer = train_ddp.SpanTimer(torch.device("cuda", 0))
+    for _ in range(2):
+        with timer:
+            pass
+    assert timer.total_s() == 0.75 and len(created) == 4
+    with timer:
+        pass
+    assert timer.total_s() == 0.125 and len(created) == 4  # the second interval's span reused a pair
+
+
+def test_a_taken_prometheus_port_is_a_one_line_error(data_dir, tmp_path, busy_port):
+    error, _ = train_in_process(f"data.dir={data_dir}", *EIGHT_STEPS, f"log.prometheus_port={busy_port}",
+                                f"out_dir={tmp_path}", f"checkpoint.dir={tmp_path}/ckpt")
+    assert error and f"cannot serve Prometheus metrics on port {busy_port}" in error and "log.prometheus_port" in error
+
+
+def test_model_flops_are_what_the_flop_counter_counts_with_causal_attention_half(data_dir):
+    """torch's FlopCounterMode counts every matmul a forward + backward runs. It counts eager attention's full
+    T x T scores (computed, then masked), and not SDPA's fused CPU kernel at all (torch 2.13), so the models
+    here use eager attention. Our count differs from it in two stated ways only: 6 x matmul_params also counts
+    biases and norm weights (FlopCounterMode counts no bias), and causal attention counts half the scores."""
+    from torch.utils.flop_counter import FlopCounterMode
+    meta = train_ddp.read_meta(data_dir)
+    special = meta["special_tokens"]
+    for model_type, task in [("gpt2", "causal"), ("bert", "mlm")]:
+        cfg = train_ddp.load_config([f"model.type={model_type}", *TINY_MODEL, "model.attention=eager",
+                                     "train.micro_batch_size=3"], use_cuda=False)
+        model, _ = train_ddp.build_model(cfg, task, 448, special, torch.device("cpu"))
+        data = train_ddp.ArrowTokens(data_dir, meta, "train", task, 64, special)
+        ids = np.arange(40, 43)  # MLM: three documents of different lengths, padded to the longest
+        lengths = [data.length(int(i)) for i in ids]
+        batch = train_ddp.make_micro_batch(data, ids, np.zeros(3, int), cfg, special, torch.device("cpu"))
+        with FlopCounterMode(display=False) as counter:
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            train_ddp.token_loss_sum(logits, batch["labels"]).backward()
+        counted = {str(op): flops for op, flops in counter.get_flop_counts()["Global"].items()}
+        positions = batch["input_ids"].numel()
+        assert positions == 3 * max(lengths) and (task == "causal" or len(set(lengths)) > 1), lengths
+        matmul_params = train_ddp.count_matmul_params(model)
+        not_multiplied = sum(p.numel() for p in model.parameters() if p.dim() < 2)  # biases, norm weights
+        assert counted["aten.mm"] + counted["aten.addmm"] == 6 * (matmul_params - not_multiplied) * positions
+        full_attention = counted["aten.bmm"]
+        ours = train_ddp.model_flops([lengths], matmul_params, 2, 32, task == "causal", attention_unpads=False)
+        assert ours - 6 * matmul_params * positions == full_attention / (2 if task == "causal" else 1)
+    unpadded = train_ddp.model_flops([[3, 5]], 0, 2, 32, causal=False, attention_unpads=True)
+    assert unpadded == 12 * 2 * 32 * (3 * 3 + 5 * 5)  # FlashAttention-2 attends within each sample only
+
+
 def dist_is_initialized():
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
@@ -1668,13 +1843,15 @@ def test_bench_reads_nanogpt_and_our_logs_over_the_same_window_and_writes_one_ro
     assert theirs["tokens_per_sec"] == pytest.approx(2000.0) and theirs["window"] == "steps 3-6"
     # ours: intervals of 2 steps; skip 2 -> steps 3-4 (2000 tokens at 1000/s) and 5-6 (2000 at 4000/s)
     records = [{"kind": "start", "step": 0}, {"kind": "val", "step": 0, "val_loss": 9.0}]
-    for step, tokens_per_sec in [(2, 10.0), (4, 1000.0), (6, 4000.0)]:
+    for step, tokens_per_sec, data_wait in [(2, 10.0, 0.9), (4, 1000.0, 0.2), (6, 4000.0, 0.3)]:
         records.append({"kind": "train", "step": step, "tokens_seen": 1000 * step, "tokens_per_sec": tokens_per_sec,
-                        "mfu": tokens_per_sec / 1e4, "mem_peak_gib": step / 2})
+                        "mfu": tokens_per_sec / 1e4, "mem_peak_gib": step / 2, "data_wait_frac": data_wait})
     ours = bench.read_our_metrics(records, skip_steps=2)
     assert ours["tokens_per_sec"] == pytest.approx(4000 / 2.5)  # the window's tokens over its time, not a mean of rates
     assert ours["mfu"] == pytest.approx(0.16) and ours["peak_mem_gib"] == 3.0 and ours["window"] == "steps 3-6"
-    assert ours["data_wait_fraction"] is None  # the trainer does not write it yet
+    assert ours["data_wait_fraction"] == pytest.approx((0.2 * 2 + 0.3 * 0.5) / 2.5)  # weighted by interval time
+    on_cpu = [{**r, "mfu": None, "mem_peak_gib": None, "data_wait_frac": None} for r in records[2:]]
+    assert bench.read_our_metrics(on_cpu, skip_steps=2)["mfu"] is None  # null figures stay null, no error
 
     common = {"date": "2026-12-01", "machine": "2 × GPU", "nanogpt_commit": "3adf61e1", "tiny": False}
     stage_records = [
@@ -1683,10 +1860,15 @@ def test_bench_reads_nanogpt_and_our_logs_over_the_same_window_and_writes_one_ro
         {**common, "stage": "shapeA_2gpu", "side": "ours", "gpus": 2, "command": "ours2", "tokens_per_sec": 780.0},
         {**common, "stage": "shapeA_2gpu", "side": "nanogpt", "gpus": 2, "status": "timeout after 240s"},
         {**common, "stage": "hf_trainer", "side": "hf_trainer", "gpus": 1, "command": "hf", "tokens_per_sec": 200.0},
+        *[{**common, "stage": "metrics_cost_shapeA_1gpu", "side": side, "gpus": 1, "command": side, "tokens_per_sec": tps}
+          for side, tps in [("config:metrics_off#1", 400.0), ("config:metrics_on#1", 396.0),
+                            ("config:metrics_off#2", 404.0), ("config:metrics_on#2", 398.0)]],
     ]
     rows = {row["metric"]: row for row in bench.figures(stage_records)}
     assert set(rows) == {"shapeA_1gpu_tokens_per_sec", "shapeA_2gpu_tokens_per_sec", "shapeA_scaling_1to2",
-                         "data_wait_fraction", "hf_trainer_shapeA_tokens_per_sec"}
+                         "data_wait_fraction", "hf_trainer_shapeA_tokens_per_sec",
+                         "metrics_on_vs_off_shapeA_1gpu_tokens_per_sec"}
+    assert rows["metrics_on_vs_off_shapeA_1gpu_tokens_per_sec"]["ratio"] == pytest.approx(397 / 402)  # means of 2
     keys = {"date", "machine", "metric", "value", "unit", "baseline", "baseline_value", "ratio", "command"}
     assert all(keys <= set(row) for row in rows.values())
     one_gpu = rows["shapeA_1gpu_tokens_per_sec"]
@@ -1696,14 +1878,17 @@ def test_bench_reads_nanogpt_and_our_logs_over_the_same_window_and_writes_one_ro
     assert rows["shapeA_scaling_1to2"]["value"] == pytest.approx(1.95)
     assert rows["hf_trainer_shapeA_tokens_per_sec"]["ratio"] == pytest.approx(0.5)
     assert rows["data_wait_fraction"]["value"] is None and "not report" in rows["data_wait_fraction"]["note"]
+    assert bench.CONFIG_SIDES["metrics_off"] == [o.replace("true", "false").replace("{prometheus_port}", "0")
+                                                 for o in bench.CONFIG_SIDES["metrics_on"]]  # the same three knobs
     assert "| shapeA_1gpu | 1 |" in bench.summary_markdown(stage_records, list(rows.values()))
 
 
 def test_bench_flops_per_token_counts_what_the_trainer_counts():
-    """The nanoGPT MFU in the bench uses the trainer's formula: same matmul parameters as count_matmul_params."""
+    """The nanoGPT MFU in the bench uses the trainer's count: same matmul parameters, causal attention."""
     from transformers import AutoModelForCausalLM, GPT2Config
     bench = load_bench()
     shape, batch = {"n_layer": 2, "n_head": 2, "n_embd": 32}, {"vocab_size": 128, "seq_len": 16}
     model = AutoModelForCausalLM.from_config(GPT2Config(vocab_size=128, n_positions=16, n_embd=32, n_layer=2, n_head=2))
-    expected = 6 * train_ddp.count_matmul_params(model) + 12 * 2 * 32 * 16
-    assert bench.flops_per_token(shape, batch) == expected
+    three_sequences = train_ddp.model_flops([[16] * 3], train_ddp.count_matmul_params(model), 2, 32, causal=True,
+                                            attention_unpads=False)
+    assert bench.flops_per_token(shape, batch) == three_sequences / (3 * 16)

@@ -84,16 +84,19 @@ def log0(*values):
 
 def fault(kind, step):
     """Test-only fault injection, off unless FAULT=kind:rank:step is set: true where that rank should
-    misbehave at that step (kill, kill-in-save, hang, nan), on a job's first attempt only (torchrun counts
-    restarts in TORCHELASTIC_RESTART_COUNT), so a restarted job runs clean."""
-    spec = os.environ.get("FAULT")
-    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+    misbehave at that step (kill, kill-in-save, hang, nan, slow: 2 s more to build its batches), on a job's
+    first attempt only (torchrun counts restarts in TORCHELASTIC_RESTART_COUNT), so a restarted job runs
+    clean. Several faults: FAULT=slow:1:3,hang:0:5."""
+    specs = os.environ.get("FAULT")
+    if not specs or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         return False
     try:
-        want_kind, want_rank, want_step = spec.split(":")
-        return (want_kind, int(want_rank), int(want_step)) == (kind, int(os.environ.get("RANK", "0")), step)
+        here = (kind, int(os.environ.get("RANK", "0")), step)
+        return any((want_kind, int(want_rank), int(want_step)) == here
+                   for want_kind, want_rank, want_step in (spec.split(":") for spec in specs.split(",")))
     except ValueError:
-        die(f"FAULT={spec} is not kind:rank:step -> e.g. FAULT=kill:1:7 (kinds: kill, kill-in-save, hang, nan)")
+        die(f"FAULT={specs} is not kind:rank:step[,...] -> e.g. FAULT=kill:1:7 (kinds: kill, kill-in-save, hang, "
+            "nan, slow)")
 
 
 def main():
@@ -176,10 +179,7 @@ def main():
     del source_model
     parameters_per_rank = [None] * world_size
     dist.all_gather_object(parameters_per_rank, sum(p.to_local().numel() for p in raw_model.parameters()))
-    # model FLOPs per token, PaLM's formula (Chowdhery et al. 2022, app. B): 6N for the matmuls forward and
-    # backward, plus attention's 12 x layers x width x sequence length
-    attention_flops = 12 * raw_model.config.num_hidden_layers * raw_model.config.hidden_size * cfg.train.seq_len
-    flops_per_token = 6 * count_matmul_params(raw_model) + attention_flops
+    flops_of = model_flops_counter(raw_model, task, attention)  # FLOPs of the micro-batches of a step, for MFU
     log0(f"model {raw_model.config.model_type} ({task}), {sum(p.numel() for p in raw_model.parameters()) / 1e6:.1f}M "
          f"parameters, attention {attention}, vocab {meta['vocab_size']} padded to {padded_vocab_size}")
     log0(f"sharded over {world_size} ranks (reshard_after_forward={cfg.fsdp.reshard_after_forward}, activation "
@@ -235,23 +235,28 @@ def main():
     # the loss in its own compiled graph: the fp32 upcast, log-softmax and gather fuse into few kernels
     loss_of = torch.compile(token_loss_sum) if use_compile else token_loss_sum
     out_dir = Path(cfg.out_dir)
-    metrics_file = on_rank0(open_metrics, out_dir, step, share_result=False)
-    write_metrics(metrics_file, {"kind": "start", "step": step, "world_size": world_size, "time": time.time()})
+    metrics_log = open_metrics_log(cfg, out_dir, step, rank, local_rank)
+    metrics_log.write({"kind": "start", "step": step, "world_size": world_size, "time": time.time()})
     peak_flops = peak_flops_per_gpu(device, cfg.log.peak_tflops)
+    read_gpu_util = gpu_util_reader(device, cfg.log.gpu_util)
     if step == 0:
         log0(f"step 0 | validation on {cfg.train.eval_batches} global batches (the first steps include compilation)")
         val_loss = evaluate(model, val_data, cfg, world_size, rank, device, autocast)
         log0(f"step 0 | val loss {val_loss:.4f}")
-        write_metrics(metrics_file, {"kind": "val", "step": 0, "val_loss": val_loss})
+        metrics_log.write({"kind": "val", "step": 0, "val_loss": val_loss})
 
     stop_requested = catch_stop_signals()  # SIGTERM or SIGINT: finish the step, write a checkpoint, stop
     model.train()
     interval_loss_sum = torch.zeros((), device=device, dtype=torch.float64)  # this rank's, stays on the GPU
     interval_steps, interval_input_tokens, interval_label_tokens, interval_skipped = 0, 0, 0, 0
+    interval_flops = 0
+    # where the time goes, read at each log line: see SpanTimer and the record below
+    data_wait, sync_wait = SpanTimer(device), SpanTimer(device)
     interval_start, paused_s, bad_steps_in_a_row = time.perf_counter(), 0.0, 0
-    next_batches = rank_batches(train_data, samples_seen, cfg.train.seed, cfg, world_size, rank, device)
+    with data_wait:
+        next_batches = rank_batches(train_data, samples_seen, cfg.train.seed, cfg, world_size, rank, device)
     while step < cfg.train.max_steps:
-        micro_batches, step_input_tokens, step_label_tokens = next_batches
+        micro_batches, step_input_tokens, step_label_tokens, step_lengths = next_batches
         if fault("kill", step + 1):  # FAULT
             os.kill(os.getpid(), signal.SIGKILL)  # FAULT
         if fault("hang", step + 1):  # FAULT
@@ -276,9 +281,13 @@ def main():
                 loss_sum = loss_sum * float("nan")  # FAULT
             scaler.scale(loss_sum * loss_scale).backward()
             step_loss_sum += loss_sum.detach()
-        # the next step's batches, built on the host while the GPU still runs this step's backward
-        next_batches = rank_batches(train_data, samples_seen + cfg.train.global_batch_size, cfg.train.seed, cfg,
-                                    world_size, rank, device)
+        # the next step's batches, built on the host while the GPU still runs this step's backward; data_wait
+        # counts what that costs the device: on a GPU only the time it sits idle waiting for them
+        with data_wait:
+            if fault("slow", step + 1):  # FAULT
+                time.sleep(2)  # FAULT
+            next_batches = rank_batches(train_data, samples_seen + cfg.train.global_batch_size, cfg.train.seed, cfg,
+                                        world_size, rank, device)
         scaler.unscale_(optimizer)  # clip the true gradient, not the fp16-scaled one
         # the norm over all shards (a DTensor); full_tensor() gives every rank the same plain tensor
         grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.optim.grad_clip or float("inf")).full_tensor()
@@ -287,7 +296,8 @@ def main():
         # one rank reaches all through the gradient reduction; a signal may reach one rank only).
         verdict = torch.tensor([0.0, float(bool(stop_requested))], device=device)
         verdict[0] = grad_norm.isfinite().logical_not()
-        dist.all_reduce(verdict, op=dist.ReduceOp.MAX)
+        with sync_wait:  # how long this rank waits here for the slowest one: step_time_skew
+            dist.all_reduce(verdict, op=dist.ReduceOp.MAX)
         bad_gradient, stop_now = (value > 0 for value in verdict.tolist())
         if bad_gradient:  # no update on any rank; the data and the schedule move on
             bad_steps_in_a_row += 1
@@ -311,35 +321,43 @@ def main():
         tokens_seen += step_input_tokens
         interval_steps += 1
         interval_input_tokens += step_input_tokens
+        interval_flops += flops_of(step_lengths)
 
         if step % cfg.log.every == 0 or step == cfg.train.max_steps or stop_now:
             dist.all_reduce(interval_loss_sum)
             loss_sum_value = interval_loss_sum.item()  # waits for the GPU: the clock below then counts finished work
             loss = loss_sum_value / interval_label_tokens if interval_label_tokens else None  # None: all skipped
-            elapsed = time.perf_counter() - interval_start - paused_s
+            now = time.perf_counter()  # the next interval starts here: it pays for this log line's work
+            elapsed = now - interval_start - paused_s
             tokens_per_sec = interval_input_tokens / elapsed
+            # Every rank's busy time (the interval less its waits for the others at the step's sync) and the
+            # share of the interval its device sat idle while its host built batches, in one small all_gather
+            # per interval: the slowest rank holds up all, so the skew and the largest data wait are logged.
+            busy_s, data_wait_frac = elapsed - sync_wait.total_s(), data_wait.total_s() / elapsed
+            per_rank = gather_floats([busy_s, data_wait_frac], device)
+            rank_busy_s = [busy for busy, _ in per_rank]
+            gib = 2**30
             record = {
                 "kind": "train", "step": step, "loss": loss, "grad_norm": grad_norm.item(), "lr": step_lr,
-                "tokens_per_sec": tokens_per_sec, "tokens_seen": tokens_seen, "skipped_steps": interval_skipped,
+                "tokens_per_sec": tokens_per_sec, "steps_per_sec": interval_steps / elapsed,
+                "mfu": interval_flops / (elapsed * peak_flops * world_size) if peak_flops else None,
+                "gpu_util": read_gpu_util() if read_gpu_util else None,
+                "mem_alloc_gib": torch.cuda.memory_allocated() / gib if use_cuda else None,
+                "mem_reserved_gib": torch.cuda.memory_reserved() / gib if use_cuda else None,
+                "mem_peak_gib": torch.cuda.max_memory_allocated() / gib if use_cuda else None,
+                # set by the gradient reducer (dist.reducer)
+                "allreduce_p50_ms": None, "allreduce_p95_ms": None, "comm_exposed_ms": None,
+                "data_wait_frac": max(frac for _, frac in per_rank),
+                "step_time_skew": max(rank_busy_s) / max(min(rank_busy_s), 1e-9) if world_size > 1 else None,
+                "slowest_rank": rank_busy_s.index(max(rank_busy_s)) if world_size > 1 else None,
+                "tokens_seen": tokens_seen, "skipped_steps": interval_skipped,
                 "eta_s": elapsed / interval_steps * (cfg.train.max_steps - step),
             }
-            line = (f"step {step}/{cfg.train.max_steps} | loss {'n/a' if loss is None else f'{loss:.4f}'} | "
-                    f"lr {step_lr:.2e} | grad {record['grad_norm']:.3f} | {tokens_per_sec / 1e3:.1f}k tok/s")
-            if peak_flops:
-                record["mfu"] = flops_per_token * tokens_per_sec / (peak_flops * world_size)
-                line += f" | MFU {100 * record['mfu']:.1f}%"
-            if use_cuda:
-                gib = 2**30
-                record["mem_alloc_gib"] = torch.cuda.memory_allocated() / gib
-                record["mem_reserved_gib"] = torch.cuda.memory_reserved() / gib
-                record["mem_peak_gib"] = torch.cuda.max_memory_allocated() / gib
-                line += (f" | mem {record['mem_alloc_gib']:.1f}/{record['mem_reserved_gib']:.1f}/"
-                         f"{record['mem_peak_gib']:.1f} GiB alloc/res/peak")
-            log0(line + f" | ETA {format_seconds(record['eta_s'])}")
-            write_metrics(metrics_file, record)
+            metrics_log.write(record)
+            log0(log_line(record, cfg.train.max_steps))
             interval_loss_sum.zero_()
             interval_steps, interval_input_tokens, interval_label_tokens, interval_skipped = 0, 0, 0, 0
-            interval_start, paused_s = time.perf_counter(), 0.0
+            interval_flops, interval_start, paused_s = 0, now, 0.0
 
         evaluate_now = (step % cfg.train.eval_every == 0 or step == cfg.train.max_steps) and not stop_now
         save_now = cfg.checkpoint.every > 0 and (step % cfg.checkpoint.every == 0 or step == cfg.train.max_steps
@@ -351,7 +369,7 @@ def main():
             if evaluate_now:
                 val_loss = evaluate(model, val_data, cfg, world_size, rank, device, autocast)
                 log0(f"step {step} | val loss {val_loss:.4f}")
-                write_metrics(metrics_file, {"kind": "val", "step": step, "val_loss": val_loss})
+                metrics_log.write({"kind": "val", "step": step, "val_loss": val_loss})
             if save_now:
                 if not weights_are_finite(raw_model):  # the skipped steps above keep this from happening
                     die(f"the weights are not finite at step {step}: no checkpoint written -> lower optim.lr")
@@ -378,12 +396,11 @@ def main():
         die("the trained weights are not finite: not exported -> lower optim.lr")
     if checkpoint_in_flight:
         finish_checkpoint(checkpoint_in_flight, ckpt_dir, cfg.checkpoint.keep)
+    metrics_log.close()
     if cfg.export:  # every rank sends its shards; only rank 0 holds the whole model, in CPU memory
         full_model = gather_full_model(raw_model, cfg, task, padded_vocab_size, special, device)
-    if rank == 0:
-        if cfg.export:
-            export_final(full_model, data_dir, meta, out_dir / "final", task, cfg, torch.device("cpu"))
-        metrics_file.close()
+    if rank == 0 and cfg.export:
+        export_final(full_model, data_dir, meta, out_dir / "final", task, cfg, torch.device("cpu"))
     # Ranks leave together. Seen once here (gloo, 3 ranks, a loaded 2-core machine): a rank that left while
     # rank 0 was still exporting died at exit with "terminate called without an active exception" (SIGABRT),
     # failing a finished run. The others wait here at most dist.timeout_s for the export.
@@ -429,6 +446,7 @@ RANGES = {
     "log.every": (lambda v: v >= 1, "of at least 1"),
     "log.sample_tokens": (lambda v: v >= 0, "of at least 0"),
     "log.peak_tflops": (lambda v: v >= 0, "of at least 0 (0 = look the GPU up)"),
+    "log.prometheus_port": (lambda v: 0 <= v <= 65535, "from 0 (off) to 65535"),
     "dist.timeout_s": (lambda v: v > 0, "above 0"),
 }
 
@@ -719,20 +737,22 @@ def global_batch_plan(position, global_batch_size, num_samples, seed, micro_batc
 
 
 def rank_batches(split_data, position, shuffle_seed, cfg, world_size, rank, device):
-    """This rank's micro-batches of the global batch that starts at sample `position`, and the input and
-    label token counts of the whole global batch, which every rank computes alike from the shared plan."""
+    """This rank's micro-batches of the global batch that starts at sample `position`; the input and label
+    token counts of the whole global batch, and the sample lengths of each of its micro-batches (for its
+    FLOPs), which every rank computes alike from the shared plan."""
     is_mlm = split_data.task == "mlm"
     plan = global_batch_plan(position, cfg.train.global_batch_size, len(split_data), shuffle_seed,
                              cfg.train.micro_batch_size, world_size, split_data.length if is_mlm else None)
     every_sample = [(int(i), int(e)) for rank_plan in plan for ids, epochs in rank_plan for i, e in zip(ids, epochs)]
-    input_tokens = sum(split_data.length(i) for i, _ in every_sample)
+    micro_batch_lengths = [[split_data.length(int(i)) for i in ids] for rank_plan in plan for ids, _ in rank_plan]
+    input_tokens = sum(map(sum, micro_batch_lengths))
     label_tokens = len(every_sample) * split_data.seq_len  # causal LM: every position is predicted
     if is_mlm:  # MLM: the masked positions, drawn exactly as make_micro_batch will draw them
         label_tokens = sum(len(choose_masked(cfg.train.seed, e, i, split_data.length(i), cfg.train.mlm_probability)[1])
                            for i, e in every_sample)
     micro_batches = [make_micro_batch(split_data, ids, epochs, cfg, split_data.special, device)
                      for ids, epochs in plan[rank]]
-    return micro_batches, input_tokens, label_tokens
+    return micro_batches, input_tokens, label_tokens, micro_batch_lengths
 
 
 def choose_masked(seed, epoch, sample_id, length, probability):  # MLM
@@ -912,6 +932,46 @@ def flash_attn_available():
         return True
     except ImportError:
         return False
+
+
+def model_flops_counter(raw_model, task, attention):
+    """A function from the sample lengths of each micro-batch to their model FLOPs: what MFU divides by peak."""
+    matmul_params = count_matmul_params(raw_model)
+    layers, width = raw_model.config.num_hidden_layers, raw_model.config.hidden_size
+    # FlashAttention-2 removes a masked batch's padding before attention (transformers' _upad_input); SDPA and
+    # eager compute every padded position and zero the masked scores afterwards
+    attention_unpads = attention == "flash_attention_2"
+    return lambda micro_batch_lengths: model_flops(micro_batch_lengths, matmul_params, layers, width,
+                                                   task == "causal", attention_unpads)
+
+
+def model_flops(micro_batch_lengths, matmul_params, layers, width, causal, attention_unpads):
+    """Model FLOPs of forward + backward of micro-batches, one list of sample lengths each (the FLOPs MFU counts).
+
+    PaLM's count (Chowdhery et al. 2022, app. B), with attention counted as computed here:
+    - matmuls: 2 FLOPs per multiply-add, forward; backward computes two products of the same size (gradients of
+      the input and of the weight): 6 x matmul_params per position. Every position of a micro-batch is computed,
+      padding included (a masked-LM micro-batch is padded to its longest sample).
+    - attention scores Q K^T and their weighted sum of V: 2 x 2 x width FLOPs per query-key pair per layer
+      forward, x3 with backward: 12 x layers x width per pair. A causal query sees the keys up to itself: half
+      the pairs of full attention (FlashAttention-2 skips the blocks above the diagonal: Dao 2023, sec. 3.1.1).
+      A masked-LM query sees every padded position, or only its own sample's with attention_unpads.
+    Not counted: norms, activations, softmax, embedding lookups, the loss, and recomputation (activation
+    checkpointing: MFU counts the model's FLOPs, not the hardware's). 6 x matmul_params counts biases and norm
+    weights as if multiplied: 13 / (12 x width) too much for a GPT-2 block (0.14% at width 768).
+    """
+    total = 0
+    for lengths in micro_batch_lengths:
+        padded = max(lengths)
+        positions = len(lengths) * padded
+        if causal:
+            query_key_pairs = positions * padded / 2
+        elif attention_unpads:  # MLM
+            query_key_pairs = sum(length * length for length in lengths)  # MLM
+        else:  # MLM
+            query_key_pairs = positions * padded  # MLM
+        total += 6 * matmul_params * positions + 12 * layers * width * query_key_pairs
+    return total
 
 
 def count_matmul_params(model):
@@ -1213,7 +1273,7 @@ def evaluate(model, val_data, cfg, world_size, rank, device, autocast):
     with torch.no_grad():
         for batch_index in range(cfg.train.eval_batches):
             position = (batch_index * cfg.train.global_batch_size) % len(val_data)
-            micro_batches, _, batch_label_tokens = rank_batches(val_data, position, None, cfg, world_size, rank, device)
+            micro_batches, _, batch_label_tokens, _ = rank_batches(val_data, position, None, cfg, world_size, rank, device)
             label_tokens += batch_label_tokens
             for batch in micro_batches:
                 with autocast:
@@ -1265,10 +1325,180 @@ def open_metrics(out_dir, step):
         die(f"cannot write {path} ({error}) -> set out_dir to a writable directory")
 
 
-def write_metrics(metrics_file, record):
-    if metrics_file:
-        metrics_file.write(json.dumps(record) + "\n")
-        metrics_file.flush()
+def open_metrics_log(cfg, out_dir, step, rank, local_rank):
+    """metrics.jsonl and TensorBoard on rank 0, a Prometheus endpoint on every rank: each optional piece that
+    is missing says so in one line and the run goes on."""
+    metrics_file = on_rank0(open_metrics, out_dir, step, share_result=False)
+    tensorboard, prometheus, outputs = None, None, [f"{out_dir / 'metrics.jsonl'}"]
+    if cfg.log.tensorboard and rank == 0:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+            # a resumed run replays the steps after its checkpoint: purge_step hides their first-run events
+            tensorboard = SummaryWriter(out_dir / "tensorboard", purge_step=step + 1 if step else None)
+            outputs.append(f"TensorBoard {out_dir / 'tensorboard'}")
+        except ImportError:
+            log0("note: no TensorBoard logs: tensorboard is not installed -> pip install tensorboard, "
+                 "or log.tensorboard=false")
+    if cfg.log.prometheus_port:
+        prometheus = on_all_ranks(start_prometheus, cfg.log.prometheus_port + local_rank)
+        if prometheus is None:
+            log0("note: no Prometheus endpoint: prometheus_client is not installed -> pip install prometheus_client")
+        else:
+            outputs.append(f"Prometheus on port {cfg.log.prometheus_port} + local rank, every interface, /metrics")
+    log0(f"metrics: {', '.join(outputs)}")
+    return MetricsLog(metrics_file, tensorboard, prometheus, rank)
+
+
+def start_prometheus(port):
+    """prometheus_client's HTTP server for this process's gauges, in a thread of its own; None without the
+    package. Its own registry: the default one is global, and a second run in one process (the tests) would
+    register its gauges twice there."""
+    try:
+        import prometheus_client
+    except ImportError:
+        return None
+    registry = prometheus_client.CollectorRegistry()
+    try:
+        server, _ = prometheus_client.start_http_server(port, registry=registry)
+    except (OSError, OverflowError) as error:
+        die(f"cannot serve Prometheus metrics on port {port} ({first_line(error)}) -> choose another "
+            "log.prometheus_port (each process takes it + its local rank), or log.prometheus_port=0 for none")
+    return SimpleNamespace(client=prometheus_client, registry=registry, server=server, gauges={})
+
+
+class MetricsLog:
+    """Where each record goes: rank 0 appends it to metrics.jsonl and TensorBoard; every rank sets its
+    Prometheus gauges. Any number the record holds is exported, under its own name: a key that is null
+    (None) today appears in TensorBoard and Prometheus as soon as it holds a number."""
+
+    def __init__(self, metrics_file, tensorboard, prometheus, rank):
+        self.metrics_file, self.tensorboard, self.prometheus, self.rank = metrics_file, tensorboard, prometheus, rank
+
+    def write(self, record):
+        if self.metrics_file:
+            self.metrics_file.write(json.dumps(record) + "\n")
+            self.metrics_file.flush()
+        if record["kind"] == "start":
+            return
+        numbers = {key: value for key, value in record.items()
+                   if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step"}
+        if self.tensorboard:
+            for key, value in numbers.items():
+                self.tensorboard.add_scalar(f"{record['kind']}/{key}", value, record["step"])
+        if self.prometheus:
+            gauges = self.prometheus.gauges.setdefault(record["kind"], {})
+            if record["kind"] == "train":
+                numbers["step"] = record["step"]  # last: a scrape that reads step N reads no value older than N's
+            for key in gauges.keys() - numbers.keys():  # null this time: NaN rather than an old number
+                gauges[key].set(float("nan"))
+            for key, value in numbers.items():
+                if key not in gauges:
+                    gauges[key] = self.prometheus.client.Gauge(
+                        f"trainer_{key}", f"metrics.jsonl's {key} ({record['kind']} records)", ["rank"],
+                        registry=self.prometheus.registry).labels(rank=str(self.rank))
+                gauges[key].set(value)
+
+    def close(self):
+        if self.metrics_file:
+            self.metrics_file.close()
+        if self.tensorboard:
+            self.tensorboard.close()
+        if self.prometheus:
+            self.prometheus.server.shutdown()
+            self.prometheus.server.server_close()  # frees the port at once (shutdown alone leaves it bound)
+
+
+class SpanTimer:
+    """The time of one recurring part of a step (building the next batches, waiting at the step's sync),
+    summed over a log interval without making the host wait for the GPU. Used as `with timer:` around it.
+
+    On a GPU the host runs ahead, and what counts is what the GPU does meanwhile: two CUDA events on its
+    stream time the span as the GPU lives it (from the end of the work queued before the span to the end
+    of the work queued in it, idle time included). They are read at the log line, after its wait for the
+    GPU, when every recorded event has happened. On a CPU each operation ends before the next one starts,
+    so the host's clock tells the same."""
+
+    def __init__(self, device):
+        self.on_gpu = device.type == "cuda"
+        self.host_s, self.recorded, self.spare = 0.0, [], []
+
+    def __enter__(self):
+        if self.on_gpu:
+            self.events = self.spare.pop() if self.spare else [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+            self.events[0].record()
+        else:
+            self.started = time.perf_counter()
+
+    def __exit__(self, *exception):
+        if self.on_gpu:
+            self.events[1].record()
+            self.recorded.append(self.events)
+        else:
+            self.host_s += time.perf_counter() - self.started
+
+    def total_s(self):
+        """Seconds since the last call (on a GPU: call it only after waiting for the GPU)."""
+        total = self.host_s + sum(start.elapsed_time(end) for start, end in self.recorded) / 1e3
+        self.spare += self.recorded  # events are reused: creating two per span and step would cost more
+        self.host_s, self.recorded = 0.0, []
+        return total
+
+
+def gather_floats(values, device):
+    """Every rank's list of floats, in rank order (one small all_gather; waits for the GPU)."""
+    mine = torch.tensor(values, dtype=torch.float64, device=device)
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    return torch.stack(everyone).tolist()
+
+
+def gpu_util_reader(device, enabled):
+    """A function returning this GPU's utilisation in percent, NVML's own figure: the share of its last
+    sample period (between 1/6 s and 1 s by product, says NVML's nvmlDeviceGetUtilizationRates) in which a
+    kernel ran, whatever the kernel (a collective waiting for another rank counts as busy). None without a
+    GPU, without pynvml (pip install nvidia-ml-py), or where NVML cannot tell (a MIG slice, for one)."""
+    if device.type != "cuda" or not enabled:
+        return None
+    try:
+        import pynvml
+    except ImportError:
+        log0("note: no GPU utilisation: pynvml is not installed -> pip install nvidia-ml-py, or log.gpu_util=false")
+        return None
+    try:
+        pynvml.nvmlInit()
+        # By UUID, not by index: CUDA numbers the GPUs CUDA_VISIBLE_DEVICES leaves, in its order (fastest first
+        # without CUDA_DEVICE_ORDER=PCI_BUS_ID); NVML numbers all GPUs of the machine by PCI bus.
+        handle = pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{torch.cuda.get_device_properties(device).uuid}")
+        pynvml.nvmlDeviceGetUtilizationRates(handle)  # where NVML cannot tell, say so now, not at every log line
+    except pynvml.NVMLError as error:
+        log0(f"note: no GPU utilisation: NVML: {first_line(error)}")
+        return None
+
+    def read_gpu_util():
+        try:
+            return pynvml.nvmlDeviceGetUtilizationRates(handle).gpu
+        except pynvml.NVMLError:
+            return None
+
+    return read_gpu_util
+
+
+def log_line(record, max_steps):
+    """The console's compact line: each figure only where it exists."""
+    loss = "n/a" if record["loss"] is None else f"{record['loss']:.4f}"
+    line = (f"step {record['step']}/{max_steps} | loss {loss} | lr {record['lr']:.2e} | grad {record['grad_norm']:.3f} "
+            f"| {record['tokens_per_sec'] / 1e3:.1f}k tok/s")
+    if record["mfu"] is not None:
+        line += f" | MFU {100 * record['mfu']:.1f}%"
+    if record["mem_alloc_gib"] is not None:
+        line += (f" | mem {record['mem_alloc_gib']:.1f}/{record['mem_reserved_gib']:.1f}/"
+                 f"{record['mem_peak_gib']:.1f} GiB alloc/res/peak")
+    if record["gpu_util"] is not None:
+        line += f" | gpu {record['gpu_util']:.0f}%"
+    line += f" | data {100 * record['data_wait_frac']:.1f}%"
+    if record["step_time_skew"] is not None:
+        line += f" | skew {record['step_time_skew']:.2f} (rank {record['slowest_rank']})"
+    return line + f" | ETA {format_seconds(record['eta_s'])}"
 
 
 # Dense bf16 tensor-core peak per GPU (no sparsity), TFLOP/s, from NVIDIA's datasheets, keyed by the exact name

@@ -2,6 +2,7 @@
 
     python3 bench/bench.py                                    # every stage (a GPU machine; *_2gpu needs 2 GPUs)
     python3 bench/bench.py --stages shapeA_1gpu,hf_trainer    # some stages: split the work over several calls
+    python3 bench/bench.py --stages metrics_cost_shapeA_1gpu  # issue 9: tokens/s with the metrics all on vs all off
     python3 bench/bench.py --tiny                             # CPU plumbing check: tiny shapes, fp32
     python3 bench/bench.py --record DIR [DIR ...]             # append earlier runs' results to bench/RESULTS.md
 
@@ -87,6 +88,11 @@ STAGES = {
     # issue 8: transformers' "sdpa" (an explicit causal mask under compile) against our "sdpa_causal"
     "attention_shapeA_1gpu": {"sides": ["ours", "variant:sdpa_masked"], "shape": "A", "gpus": 1, "steps": 70,
                               "skip_steps": 20, "log_every": 10, "timeout_s": 200},
+    # issue 9: what the metrics cost: TensorBoard, Prometheus and NVML all on against all off (CONFIG_SIDES),
+    # twice each in turns (off, on, off, on), so that a drift of the machine over the call falls on both
+    "metrics_cost_shapeA_1gpu": {"sides": ["config:metrics_off#1", "config:metrics_on#1", "config:metrics_off#2",
+                                           "config:metrics_on#2"], "shape": "A", "gpus": 1, "steps": 150,
+                                 "skip_steps": 30, "log_every": 10, "timeout_s": 200},
     # issue 8: syncs between host and GPU, counted by torch.cuda.set_sync_debug_mode over 40 steps
     "sync_check_shapeA_1gpu": {"sides": ["variant:sync_debug"], "shape": "A", "gpus": 1, "steps": 40,
                                "skip_steps": 10, "log_every": 20, "timeout_s": 200},
@@ -110,7 +116,14 @@ VARIANTS = {
 # repository with its config.yaml: git show 47acc78:train_ddp.py > .baselines/before_issue_6/train_ddp.py
 VARIANT_FILES = {"before_issue_6": REPO / ".baselines" / "before_issue_6"}
 
-DATA_WAIT_KEY = "data_wait_fraction"  # a metrics.jsonl "train" key; the trainer does not write it yet
+# Sides "config:NAME" (a "#N" after the name only tells repeats apart): train_ddp.py with these overrides added.
+# {prometheus_port} is the side's own port (MASTER_PORT + 5: two bench processes on one machine do not clash).
+CONFIG_SIDES = {
+    "metrics_off": ["log.tensorboard=false", "log.prometheus_port=0", "log.gpu_util=false"],
+    "metrics_on": ["log.tensorboard=true", "log.prometheus_port={prometheus_port}", "log.gpu_util=true"],
+}
+
+DATA_WAIT_KEY = "data_wait_frac"  # a metrics.jsonl "train" key
 
 
 # The trainer's config keys this script sets (config.yaml); change them here if the trainer renames one.
@@ -309,7 +322,7 @@ def variant_script(name):
 
 
 def run_ours(stage_name, stage, shape, batch, tiny, port, log, side="ours"):
-    run_dir = WORK_DIR / stage_name / side.replace(":", "_")
+    run_dir = WORK_DIR / stage_name / side.replace(":", "_").replace("#", "_")
     remove_tree(run_dir)  # a checkpoint left there would be resumed (checkpoint.resume=auto) and train no step
     env_extra = {**device_env(stage["gpus"], tiny), "NPROC_PER_NODE": str(stage["gpus"]), "MASTER_PORT": str(port),
                  **stage.get("env", {})}
@@ -322,6 +335,9 @@ def run_ours(stage_name, stage, shape, batch, tiny, port, log, side="ours"):
     script = {"ours": "train_ddp.py", "ours_fsdp": "train_fsdp.py"}.get(side)
     if side.startswith("variant:"):
         script = str(variant_script(side.split(":", 1)[1]).relative_to(REPO))
+    if side.startswith("config:"):
+        script = "train_ddp.py"
+        overrides += [o.format(prometheus_port=port + 5) for o in CONFIG_SIDES[side.split(":", 1)[1].split("#")[0]]]
     command = ["bash", "launch.sh", script, *overrides, *stage.get("extra", [])]
     status, output, seconds = run_process(command, REPO, env_extra, stage["timeout_s"], log)
     record = {"command": shell_text(command, env_extra, REPO), "status": status, "seconds": round(seconds, 1)}
@@ -337,6 +353,8 @@ def run_ours(stage_name, stage, shape, batch, tiny, port, log, side="ours"):
     attention = re.search(r"attention (\S+),", output)
     record["vocab"] = int(vocab.group(1)) if vocab else None
     record["attention"] = attention.group(1) if attention else None
+    outputs = re.search(r"^metrics: (.*)$", output, re.MULTILINE)  # where the trainer says its metrics go
+    record["metrics_outputs"] = outputs.group(1) if outputs else None
     metrics_path = run_dir / "metrics.jsonl"
     if metrics_path.is_file():
         records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
@@ -352,7 +370,7 @@ def read_our_metrics(records, skip_steps):
     train = [r for r in records if r.get("kind") == "train"]
     tokens = seconds = mfu_seconds = wait_seconds = 0.0
     previous_tokens = 0  # a fresh run: run_ours empties the run directory, so nothing is resumed
-    window_steps, has_wait = [], True
+    window, has_wait = [], True
     for r in train:
         interval_tokens, previous_tokens = r["tokens_seen"] - previous_tokens, r["tokens_seen"]
         if r["step"] <= skip_steps:
@@ -360,19 +378,21 @@ def read_our_metrics(records, skip_steps):
         interval_s = interval_tokens / r["tokens_per_sec"]
         tokens += interval_tokens
         seconds += interval_s
-        mfu_seconds += r.get("mfu", 0.0) * interval_s
-        has_wait = has_wait and DATA_WAIT_KEY in r
-        wait_seconds += r.get(DATA_WAIT_KEY, 0.0) * interval_s
-        window_steps.append(r["step"])
+        mfu_seconds += (r.get("mfu") or 0.0) * interval_s  # null (None) where the trainer has no MFU
+        has_wait = has_wait and r.get(DATA_WAIT_KEY) is not None
+        wait_seconds += (r.get(DATA_WAIT_KEY) or 0.0) * interval_s
+        window.append(r)
     if not seconds:
         return {"tokens_per_sec": None, "note": f"no logged interval after step {skip_steps}"}
+    gpu_utils = [r["gpu_util"] for r in window if r.get("gpu_util") is not None]
     return {
         "tokens_per_sec": tokens / seconds,
-        "mfu": mfu_seconds / seconds if any("mfu" in r for r in train) else None,
+        "mfu": mfu_seconds / seconds if any(r.get("mfu") is not None for r in train) else None,
         "data_wait_fraction": wait_seconds / seconds if has_wait else None,
-        "window": f"steps {skip_steps + 1}-{window_steps[-1]}",
+        "gpu_util_mean": sum(gpu_utils) / len(gpu_utils) if gpu_utils else None,  # NVML's figure at each log line
+        "window": f"steps {skip_steps + 1}-{window[-1]['step']}",
         "window_s": round(seconds, 2),
-        "peak_mem_gib": max((r["mem_peak_gib"] for r in train if "mem_peak_gib" in r), default=None),
+        "peak_mem_gib": max((r["mem_peak_gib"] for r in train if r.get("mem_peak_gib") is not None), default=None),
     }
 
 
@@ -516,14 +536,15 @@ def tokens_per_step(batch):
 
 
 def flops_per_token(shape, batch):
-    """train_ddp.py's formula (PaLM, Chowdhery et al. 2022, app. B): 6 x the parameters multiplied with
-    every token + 12 x layers x width x seq_len. For this GPT-2 layout those parameters are all but the
-    position embedding (the token embedding is the output layer too): per layer 12 d^2 + 13 d (four
-    weight matrices, their biases, two LayerNorms), the final LayerNorm 2 d, the output layer vocab x d.
-    nanoGPT's estimate_mfu counts the same (get_num_params) with the same attention term."""
+    """train_ddp.py's count (model_flops) for a causal batch: 6 x the parameters multiplied with every
+    token + 6 x layers x width x seq_len (attention's 12 x layers x width per query-key pair, a causal query
+    seeing half the sequence on average). For this GPT-2 layout those parameters are all but the position
+    embedding (the token embedding is the output layer too): per layer 12 d^2 + 13 d (four weight
+    matrices, their biases, two LayerNorms), the final LayerNorm 2 d, the output layer vocab x d. nanoGPT's
+    estimate_mfu counts the same parameters (get_num_params) but full attention (12 x layers x width x T)."""
     layers, width = shape["n_layer"], shape["n_embd"]
     matmul_params = layers * (12 * width**2 + 13 * width) + 2 * width + batch["vocab_size"] * width
-    return 6 * matmul_params + 12 * layers * width * batch["seq_len"]
+    return 6 * matmul_params + 6 * layers * width * batch["seq_len"]
 
 
 def mfu_by_our_formula(record, shape, batch, gpus, peak_flops):
@@ -594,6 +615,18 @@ def figures(stage_records):
         row("fsdp_12b_2gpu_tokens_per_sec", big.get("tokens_per_sec"), "tokens/s", None, None, big.get("command"),
             None, big, note=f"{big.get('parameters_millions')}M parameters, peak {big.get('peak_mem_gib')} GiB per GPU, "
                             f"MFU {big.get('mfu')}")
+    cost = by_stage.get("metrics_cost_shapeA_1gpu", {})
+    on = [r.get("tokens_per_sec") for side, r in cost.items() if side.startswith("config:metrics_on")]
+    off = [r.get("tokens_per_sec") for side, r in cost.items() if side.startswith("config:metrics_off")]
+    if on and off:
+        complete = None not in on + off
+        on_sides = [r for side, r in cost.items() if side.startswith("config:metrics_on")]
+        row("metrics_on_vs_off_shapeA_1gpu_tokens_per_sec", sum(on) / len(on) if complete else None,
+            "tokens/s, mean of the 'on' sides", "the same with TensorBoard, Prometheus and NVML off, same call",
+            sum(off) / len(off) if complete else None, on_sides[0].get("command"),
+            next(r for side, r in cost.items() if side.startswith("config:metrics_off")).get("command"), on_sides[0],
+            note=f"on: {[round(x) for x in on]}, off: {[round(x) for x in off]}; outputs of the 'on' runs: {on_sides[0].get('metrics_outputs')}, "
+                 f"NVML GPU utilisation mean {on_sides[0].get('gpu_util_mean')}")
     ours_a = by_stage.get("shapeA_1gpu", {}).get("ours")
     if ours_a:
         wait = ours_a.get("data_wait_fraction")
@@ -633,8 +666,9 @@ def summary_markdown(stage_records, rows):
         f"nanoGPT karpathy/nanoGPT@{first.get('nanogpt_commit')} (NCCL_NVLS_ENABLE={first.get('nccl_nvls_enable')}). "
         "Every side: the same steps, tokens/s = the tokens of the steps after the warm-up window / their wall time (ours: its metrics.jsonl intervals; nanoGPT: "
         "its per-iteration `time ...ms`; HF Trainer: a CUDA-synchronized clock at two step ends). "
-        "MFU = (6 x matmul parameters + 12 x layers x width x seq_len) x tokens/s / (peak x GPUs), train_ddp.py's "
-        "formula; nanoGPT's by the same formula from its tokens/s. ratio = ours / baseline. Data: ours reads "
+        "MFU = (6 x matmul parameters + 6 x layers x width x seq_len) x tokens/s / (peak x GPUs), train_ddp.py's "
+        "count since issue 9 (causal attention: half the scores of full attention; older sections counted 12 x ...); "
+        "nanoGPT's by the same formula from its tokens/s. ratio = ours / baseline. Data: ours reads "
         "data/stdlib (launch.sh prepares it), nanoGPT and the HF Trainer read uniform random tokens of the same "
         "vocabulary (out/bench/random_tokens); a causal step of fixed length does the same work on either.",
     ]
@@ -680,6 +714,9 @@ def summary_markdown(stage_records, rows):
     notes = [f"- {r['stage']} / {r['side']}: {r['note']}" for r in stage_records if r.get("note")]
     notes += [f"- {row['metric']}: {row['note']}" for row in rows
               if row["metric"] == "data_wait_fraction" and row["note"]]
+    notes += [f"- what the metrics cost (TensorBoard, Prometheus, NVML on vs off, shape A, 1 GPU): "
+              f"{number(row['value'])} vs {number(row['baseline_value'])} tokens/s = {number(row['ratio'], 4)}x; "
+              f"{row['note']}" for row in rows if row["metric"] == "metrics_on_vs_off_shapeA_1gpu_tokens_per_sec"]
     notes += [f"- {r['stage']} / ours: data/stdlib's vocabulary is {r['vocab']}, not {BATCH['vocab_size']}"
               for r in stage_records
               if r["side"] == "ours" and not r.get("tiny") and r.get("vocab") not in (None, BATCH["vocab_size"])]
@@ -751,7 +788,7 @@ def run_stage(stage_name, tiny, machine, timeout_s, port, log, keep):
         log(f"=== {stage_name} / {side}: {stage['steps']} steps, window after step {stage['skip_steps']}, "
             f"timeout {stage['timeout_s']}s")
         try:
-            if side.startswith("variant:") or side.startswith("ours"):
+            if side.startswith(("variant:", "config:", "ours")):
                 record = run_ours(stage_name, stage, shape, batch, tiny, port + index, log, side)
             else:
                 record = SIDE_RUNNERS[side](stage_name, stage, shape, batch, tiny, port + index, log)

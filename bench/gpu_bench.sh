@@ -58,8 +58,8 @@ for n in (1, 2):
         continue
     steady = [l for l in train if l["step"] > 20] or train
     tps = sum(l["tokens_per_sec"] for l in steady) / len(steady)
-    mfu = sum(l.get("mfu", 0) for l in steady) / len(steady)
-    peak = max(l.get("mem_peak_gib", 0) for l in train)
+    mfu = sum(l.get("mfu") or 0 for l in steady) / len(steady)  # null where the trainer has no MFU
+    peak = max(l.get("mem_peak_gib") or 0 for l in train)
     print(f"| {n} | {train[-1]['step']} | {tps:,.0f} | {100 * mfu:.1f}% | {peak:.1f} | "
           f"{val[0]['val_loss']:.3f} -> {val[-1]['val_loss']:.3f} |")
 PY
