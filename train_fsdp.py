@@ -106,6 +106,10 @@ def main():
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     micro_batches_per_step = check_config(cfg, world_size)
+    if cfg.dist.reducer != "torch" or cfg.dist.grad_compression != "none":
+        die(f"dist.reducer={cfg.dist.reducer} and dist.grad_compression={cfg.dist.grad_compression} are train_ddp.py's: "
+            "FSDP reduce-scatters its gradients itself, in fp32 (MixedPrecisionPolicy) -> leave them at torch and none, "
+            "or use train_ddp.py")
     if check_only:
         for key in ["data.dir", "checkpoint.dir", "checkpoint.resume", "out_dir", "dist.timeout_s"]:
             print(f"{key}={config_dict(cfg)[key]}")
@@ -226,9 +230,8 @@ def main():
         log0(f"resumed from {resume_dir}: step {step}, {samples_seen:,} samples, {tokens_seen:,} tokens seen")
 
     # ------------------------------------------------------------------------- 7. training loop
+    comm_timings = {"allreduce": [], "exposed": []}  # (start, end) of each timed all-reduce and wait, this interval
     model = raw_model  # sharded in place by fully_shard, its blocks compiled there (section 4)
-    # the loss in its own compiled graph: the fp32 upcast, log-softmax and gather fuse into few kernels
-    loss_of = torch.compile(token_loss_sum) if use_compile else token_loss_sum
     # dcp.async_save writes in a background thread and needs a process group with a CPU backend
     async_group = dist.new_group(backend="gloo") if cfg.checkpoint.async_save else None
     checkpoint_in_flight = None  # an async checkpoint still being written: published before the next one
@@ -328,6 +331,11 @@ def main():
             if peak_flops:
                 record["mfu"] = flops_per_token * tokens_per_sec / (peak_flops * world_size)
                 line += f" | MFU {100 * record['mfu']:.1f}%"
+            record.update(comm_summary(comm_timings, interval_steps))
+            if record["comm_exposed_ms"] is not None:
+                line += f" | comm exposed {record['comm_exposed_ms']:.1f} ms/step"
+            if record["allreduce_p50_ms"] is not None:
+                line += f" | all-reduce p50/p95 {record['allreduce_p50_ms']:.1f}/{record['allreduce_p95_ms']:.1f} ms"
             if use_cuda:
                 gib = 2**30
                 record["mem_alloc_gib"] = torch.cuda.memory_allocated() / gib
@@ -399,6 +407,8 @@ CHOICES = {
     "train.precision": ["auto", "bf16", "fp16", "fp32"],
     "train.compile": ["auto", "true", "false"],
     "dist.backend": ["auto", "nccl", "gloo"],
+    "dist.reducer": ["torch", "inline"],
+    "dist.grad_compression": ["none", "bf16"],
 }
 
 # What each number may be. A value of the right type can still train wrongly and exit 0: grad_clip=-1 flips
@@ -430,6 +440,7 @@ RANGES = {
     "log.sample_tokens": (lambda v: v >= 0, "of at least 0"),
     "log.peak_tflops": (lambda v: v >= 0, "of at least 0 (0 = look the GPU up)"),
     "dist.timeout_s": (lambda v: v > 0, "above 0"),
+    "dist.bucket_mb": (lambda v: v > 0, "above 0"),
 }
 
 
@@ -1202,6 +1213,37 @@ def restore_rng(saved_states, rank, seed, step):
 
 
 # ----------------------------------------------------------------------------- 7. training loop (helpers)
+
+def time_stamp():
+    """Now: on a GPU a CUDA event recorded on the current stream, read at log time (reading it now would make
+    the host wait for the GPU); on a CPU the host clock."""
+    if not torch.cuda.is_available():
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def elapsed_ms(start, end):
+    if isinstance(start, float):
+        return 1000 * (end - start)
+    end.synchronize()  # at log time only
+    return start.elapsed_time(end)
+
+
+def comm_summary(comm_timings, steps):
+    """The interval's exposed communication (ms per step: the time spent waiting for all-reduces that
+    backward did not hide) and all-reduce latency percentiles (ms from a bucket's start to its end, waiting
+    behind earlier buckets included); None where nothing was timed (DDP's own all-reduce, inside its C++
+    reducer, and FSDP's collectives are not). Empties the lists for the next interval."""
+    exposed, comm_timings["exposed"] = comm_timings["exposed"], []
+    latencies, comm_timings["allreduce"] = comm_timings["allreduce"], []  # a late gloo callback appends to the new list
+    exposed_ms = [elapsed_ms(start, end) for start, end in exposed]
+    latency_ms = [elapsed_ms(start, end) for start, end in latencies]
+    return {"comm_exposed_ms": sum(exposed_ms) / steps if exposed_ms else None,
+            "allreduce_p50_ms": float(np.percentile(latency_ms, 50)) if latency_ms else None,
+            "allreduce_p95_ms": float(np.percentile(latency_ms, 95)) if latency_ms else None}
+
 
 def evaluate(model, val_data, cfg, world_size, rank, device, autocast):
     """Mean loss per label token over the same validation batches every time, each rank computing its share.
