@@ -540,7 +540,7 @@ def test_bf16_compressed_gradients_stay_within_1_percent_and_training_still_conv
     assert 0 < bf16["vs_fp32"] < 1e-2, bf16  # > 0: the gradients really travelled as bf16
     assert bf16["inline_vs_torch"] < 1e-6, bf16
     assert bf16["losses"][-1] < 0.7 * bf16["losses"][0], bf16
-    assert bf16["losses"][-1] == pytest.approx(bf16["fp32_losses"][-1], rel=0.02), bf16
+    assert bf16["losses"][-1] == pytest.approx(bf16["fp32_losses"][-1], rel=0.01), bf16
 
 
 def test_async_all_reduce_without_wait_leaves_ranks_with_different_weights(reducer_results):
@@ -1900,6 +1900,30 @@ def test_bench_reads_nanogpt_and_our_logs_over_the_same_window_and_writes_one_ro
     assert rows["hf_trainer_shapeA_tokens_per_sec"]["ratio"] == pytest.approx(0.5)
     assert rows["data_wait_fraction"]["value"] is None and "not report" in rows["data_wait_fraction"]["note"]
     assert "| shapeA_1gpu | 1 |" in bench.summary_markdown(stage_records, list(rows.values()))
+
+
+def test_bench_compares_the_inline_reducer_with_ddp_and_derives_ddps_exposed_communication():
+    """DDP's own all-reduce is not timed: its exposed communication is its step time minus that of a run that
+    all-reduces nothing (variant:no_comm), 65,536 tokens per step."""
+    bench = load_bench()
+    common = {"date": "2026-12-01", "machine": "2 × GPU", "tiny": False, "stage": "reducer_shapeA_2gpu"}
+    stage_records = [
+        {**common, "side": "ours", "command": "ddp", "tokens_per_sec": 65536 / 0.060, "loss_last": 4.0,
+         "comm_exposed_ms": None},
+        {**common, "side": "ours_inline", "command": "inline", "tokens_per_sec": 65536 / 0.061, "loss_last": 4.0,
+         "comm_exposed_ms": 2.5, "allreduce_p50_ms": 1.0, "allreduce_p95_ms": 2.0},
+        {**common, "side": "variant:no_comm", "command": "no_comm", "tokens_per_sec": 65536 / 0.058},
+        {**common, "stage": "compression_shapeA_2gpu", "side": "ours_inline_bf16", "command": "bf16",
+         "tokens_per_sec": 65536 / 0.0595},
+    ]
+    rows = {row["metric"]: row for row in bench.figures(stage_records)}
+    assert rows["shapeA_2gpu_ours_inline_tokens_per_sec"]["ratio"] == pytest.approx(60 / 61)
+    assert rows["shapeA_2gpu_ours_inline_bf16_tokens_per_sec"]["ratio"] == pytest.approx(61 / 59.5)
+    assert rows["shapeA_2gpu_ours_comm_exposed_ms"]["value"] == pytest.approx(2.0)
+    inline_exposed = rows["shapeA_2gpu_ours_inline_comm_exposed_ms"]
+    assert inline_exposed["value"] == pytest.approx(3.0) and "wait()): 2.5" in inline_exposed["note"]
+    summary = bench.summary_markdown(stage_records, list(rows.values()))
+    assert "shapeA_2gpu_ours_comm_exposed_ms: 2.0 ms per step" in summary and "comm exposed 2.5 ms/step" in summary
 
 
 def test_bench_flops_per_token_counts_what_the_trainer_counts():

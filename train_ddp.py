@@ -205,8 +205,13 @@ def main():
     # Wrapped after loading: DDP's constructor copies rank 0's weights to every rank. One process needs no
     # DDP: it would only split the compiled graph at its buckets (below) and all-reduce with itself.
     # dist.reducer=inline does DDP's work in plain sight instead (InlineReducer); one process needs neither.
+    use_compile = cfg.train.compile == "true" or (cfg.train.compile == "auto" and use_cuda)
     ddp_model = reducer = None
     if world_size > 1 and cfg.dist.reducer == "torch":
+        if use_compile and cfg.dist.bucket_mb < 1:  # seen; the check is in torch/_dynamo/backends/distributed.py
+            die(f"dist.bucket_mb={cfg.dist.bucket_mb} is below 1: under torch.compile, Dynamo's DDPOptimizer takes "
+                "DDP's first bucket to be 1 MiB and stops when the others are smaller -> give dist.bucket_mb=1 or more, "
+                "or use dist.reducer=inline or train.compile=false")
         # bucket_cap_mb given, DDP's first bucket is that size too (its default is 1 MiB): both reducers bucket alike
         ddp_model = DDP(raw_model, device_ids=[local_rank] if use_cuda else None, bucket_cap_mb=cfg.dist.bucket_mb,
                         gradient_as_bucket_view=True)  # gradients live in the buckets
@@ -214,16 +219,15 @@ def main():
             ddp_model.register_comm_hook(comm_timings, bf16_allreduce_hook)
     elif world_size > 1:
         reducer = InlineReducer(raw_model, cfg.dist.bucket_mb, cfg.dist.grad_compression, comm_timings)
-    use_compile = cfg.train.compile == "true" or (cfg.train.compile == "auto" and use_cuda)
     # Dynamo splits the compiled graph at DDP's bucket boundaries whenever it compiles code running inside
     # DDP's forward, whichever of the two wraps the other (DDPOptimizer, torch/_dynamo/convert_frame.py):
     # each bucket's all-reduce then starts while backward is still computing the earlier layers.
     model = torch.compile(ddp_model or raw_model) if use_compile and not reducer else ddp_model or raw_model
     if use_compile and reducer:
-        # Our hooks see no bucket boundaries: the backward of one compiled graph is one autograd node, and every
-        # gradient appears when it ends (measured on CPU: every hook fired after 100% of backward's time), so no
+        # Not the whole model: the backward of one compiled graph is one autograd node, whose gradients all appear
+        # when it ends (measured on CPU, GPT-2 of 4 blocks: every hook fired after 99% of backward's time), so no
         # all-reduce would overlap. Compiled block by block (as train_fsdp.py does), a block's gradients appear
-        # when its backward ends (the same measurement: hooks fired at 44%, 58%, 73%, 86%, 99% for 4 blocks).
+        # when its backward ends (the same measurement: the 4 blocks' hooks fired at 47%, 67%, 84% and 98%).
         blocks = [m for m in raw_model.modules() if type(m).__name__ in (raw_model._no_split_modules or [])]
         for block in blocks or [raw_model]:  # a model that lists no blocks: one graph, no overlap
             block.compile()
