@@ -1159,7 +1159,7 @@ class InlineReducer:
         bucket = self.buckets[bucket_index]
         # A parameter this rank's backward did not reach contributes zeros (a rank that skipped the bucket would
         # leave the others waiting in it until dist.timeout_s). One that no rank reached gets a zero gradient,
-        # which AdamW still applies (momentum, weight decay), where DDP would stop with an error at the next step.
+        # which AdamW still applies (momentum, weight decay), where DDP stops with an error at the next forward.
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in bucket])
         for param in bucket:
             param.grad = None  # the bucket holds it now: one copy of the gradients in memory, not two
@@ -1198,9 +1198,9 @@ def bf16_allreduce_hook(timings, bucket):
 
 def timed_all_reduce(flat, timings):
     """Start the all_reduce (sum) of one flat bucket without waiting for it; its start and end go to timings.
-    The end is stamped in a callback of the work's future: gloo runs it when the sum is done; NCCL runs it at
-    once, on a stream that waits for the sum (torch.futures.Future.then's documentation), so an event recorded
-    there completes with the all-reduce. Neither makes the host wait."""
+    The end is stamped in a callback of the work's future: gloo runs it when the sum is done; NCCL runs it once
+    the all-reduce is enqueued, on a callback stream that waits for it (Work.get_future's documentation), so an
+    event recorded there completes with the all-reduce. Neither makes the host wait."""
     started = time_stamp()
     work = dist.all_reduce(flat, async_op=True)
     work.get_future().then(lambda _: timings["allreduce"].append((started, time_stamp())))

@@ -331,6 +331,8 @@ def variant_script(name):
 
 
 def run_ours(stage_name, stage, shape, batch, tiny, port, log, side="ours"):
+    if tiny and "train.precision=fp16" in SIDE_OVERRIDES.get(side, []):
+        return {"status": "skipped: fp16 needs a GPU"}
     run_dir = WORK_DIR / stage_name / side.replace(":", "_")
     remove_tree(run_dir)  # a checkpoint left there would be resumed (checkpoint.resume=auto) and train no step
     env_extra = {**device_env(stage["gpus"], tiny), "NPROC_PER_NODE": str(stage["gpus"]), "MASTER_PORT": str(port),
@@ -644,7 +646,7 @@ def figures(stage_records):
             if side:
                 row(f"{prefix}_{name}_tokens_per_sec", side.get("tokens_per_sec"), "tokens/s", label + ", same shape",
                     baseline.get("tokens_per_sec"), side.get("command"), baseline.get("command"), side,
-                    f"last logged loss {side.get('loss_last')} vs {baseline.get('loss_last')}")
+                    f"last logged loss {number(side.get('loss_last'), 4)} vs {number(baseline.get('loss_last'), 4)}")
         no_comm = sides.get("variant:no_comm")
         for name in ["ours", "ours_inline", "ours_bf16", "ours_inline_bf16"]:
             side = sides.get(name)
@@ -653,8 +655,8 @@ def figures(stage_records):
                 exposed = step_ms / side["tokens_per_sec"] - step_ms / no_comm["tokens_per_sec"]
                 row(f"{prefix}_{name}_comm_exposed_ms", exposed, "ms per step: its step time minus variant:no_comm's",
                     None, None, side.get("command"), no_comm.get("command"), side,
-                    f"measured by the trainer (time in wait()): {side.get('comm_exposed_ms')}; all-reduce p50/p95 "
-                    f"{side.get('allreduce_p50_ms')}/{side.get('allreduce_p95_ms')} ms")
+                    f"measured by the trainer (time in wait()): {number(side.get('comm_exposed_ms'), 2)}; all-reduce "
+                    f"p50/p95 {number(side.get('allreduce_p50_ms'), 2)}/{number(side.get('allreduce_p95_ms'), 2)} ms")
     return rows
 
 
