@@ -93,7 +93,8 @@ STAGES = {
     # issue 10: DDP's reducer ("ours") against InlineReducer ("ours_inline"), and bf16 gradient compression, on
     # 2 GPUs (SIDE_OVERRIDES). variant:no_comm all-reduces nothing (it does not train: a clock), so DDP's
     # exposed communication is the step time "ours" has above it; the inline reducer also measures its own.
-    # Two sides of shape B take ~6 minutes (each ~3 minutes, mostly compilation): hence one stage per pair.
+    # A side of shape B takes ~3 minutes, mostly start-up and compilation (fsdp_shapeB_2gpu's DDP side: 182 s
+    # for 30 steps), one of shape A ~1.5: one stage per call of the GPU machine (10 minutes at most).
     "reducer_shapeA_2gpu": {"sides": ["ours", "ours_inline", "variant:no_comm"], "shape": "A", "gpus": 2,
                             "steps": 150, "skip_steps": 30, "log_every": 10, "timeout_s": 200},
     "compression_shapeA_2gpu": {"sides": ["ours_bf16", "ours_inline_bf16", "ours_inline_fp16"], "shape": "A",
