@@ -179,6 +179,7 @@ def test_bad_override_is_one_line_error(override, fragments):
     "optim.min_lr=-1", "optim.warmup_steps=-5", "train.mlm_probability=-1", "train.mlm_probability=1.5",
     "model.n_layer=0", "model.n_embd=-128", "model.dropout=2.0", "optim.beta1=1.5", "optim.lr=0", "dist.timeout_s=0",
     "log.prometheus_port=70000",
+    "dist.bucket_mb=0",
 ])
 def test_values_of_the_right_type_but_out_of_range_are_refused(override):
     """Each of these passed the type check and then trained wrongly (NaN, flipped gradients) or crashed."""
@@ -341,14 +342,15 @@ def adam_first_moment(ckpt_step_dir):
     return torch.cat([state[key]["exp_avg"].flatten() for key in sorted(state)])
 
 
-def test_gradient_is_the_same_for_any_split_into_ranks_and_micro_batches(data_dir, tmp_path):
+def test_gradient_is_the_same_for_any_split_into_ranks_and_micro_batches_and_either_reducer(data_dir, tmp_path):
+    """2 ranks x 2 micro-batches run the inline reducer (small buckets: several all-reduces), 2 x 1 DDP."""
     gradients, losses = {}, {}
-    for world_size, micro_batches in [(1, 4), (2, 2), (2, 1)]:
+    for world_size, micro_batches, reducer in [(1, 4, "torch"), (2, 2, "inline"), (2, 1, "torch")]:
         out = tmp_path / f"w{world_size}m{micro_batches}"
         args = [f"data.dir={data_dir}", "model.type=bert", *TINY_MODEL, "model.dropout=0.0", "train.precision=fp32",
                 "train.global_batch_size=16", f"train.micro_batch_size={16 // world_size // micro_batches}",
                 "train.max_steps=1", "checkpoint.every=1", "optim.grad_clip=0", "train.eval_batches=1",
-                f"out_dir={out}", f"checkpoint.dir={out}/ckpt"]
+                f"dist.reducer={reducer}", "dist.bucket_mb=0.05", f"out_dir={out}", f"checkpoint.dir={out}/ckpt"]
         if world_size == 1:  # one process needs no torchrun
             assert train_in_process(*args)[0] is None
         else:
@@ -359,6 +361,209 @@ def test_gradient_is_the_same_for_any_split_into_ranks_and_micro_batches(data_di
     for split, gradient in gradients.items():
         assert ((gradient - reference).norm() / reference.norm()) < 1e-5, split
         assert losses[split] == pytest.approx(losses[1, 4], rel=1e-6)
+    inline, ddp = read_metrics(tmp_path / "w2m2", "train")[0], read_metrics(tmp_path / "w2m1", "train")[0]
+    assert inline["comm_exposed_ms"] >= 0 and 0 < inline["allreduce_p50_ms"] <= inline["allreduce_p95_ms"], inline
+    assert ddp["comm_exposed_ms"] is None and ddp["allreduce_p50_ms"] is None  # DDP's C++ all-reduce: not timed
+
+
+# ----------------------------------------------------------------------------- gradient reduction (issue 10)
+
+# Run once on 2 gloo ranks (reducer_results): DDP and InlineReducer side by side on a tiny GPT-2, each rank
+# with its own data; the folk recipe; bf16 compression. Rank 0 prints what the tests below check.
+REDUCER_SCRIPT = """
+import contextlib, json, sys, time
+sys.path.insert(0, REPO)
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+import train_ddp
+dist.init_process_group("gloo")
+rank, world_size = dist.get_rank(), dist.get_world_size()
+cfg = train_ddp.load_config(TINY_MODEL + ["model.dropout=0.0"], use_cuda=False)
+special = {"eot": 0, "pad": 1, "mask": 2, "cls": 3, "sep": 4}
+generator = torch.Generator().manual_seed(100 + rank)  # each rank its own data
+micro_batches = [torch.randint(5, 448, (2, 65), generator=generator) for _ in range(2)]
+results = {}
+
+
+def fresh_model():
+    torch.manual_seed(rank)  # different initial weights per rank: the reducers must broadcast rank 0's
+    return train_ddp.build_model(cfg, "causal", 448, special, torch.device("cpu"))[0]
+
+
+def loss_of(model, ids):  # the trainer's scaling: summed loss x world size / label tokens of the global batch
+    logits = model(input_ids=ids[:, :-1]).logits
+    return train_ddp.token_loss_sum(logits, ids[:, 1:]) * world_size / (4 * 64 * world_size)
+
+
+def train(kind, bucket_mb=0.02, accumulate=True, compression="none", steps=1, observe=None):
+    raw, timings = fresh_model(), {"allreduce": [], "exposed": []}
+    ddp = reducer = None
+    if kind == "torch":
+        ddp = DDP(raw, bucket_cap_mb=bucket_mb)
+        if compression == "bf16":
+            ddp.register_comm_hook(timings, train_ddp.bf16_allreduce_hook)
+    else:
+        reducer = train_ddp.InlineReducer(raw, bucket_mb, compression, timings)
+        if observe is not None:  # gradients still to come when each bucket starts
+            launch = reducer.launch
+            reducer.launch = lambda index: (observe.append(sum(reducer.missing)), launch(index))
+    optimizer = torch.optim.AdamW(raw.parameters(), lr=1e-2)
+    batches = micro_batches if accumulate else [torch.cat(micro_batches)]
+    losses = []
+    for _ in range(steps):
+        for index, ids in enumerate(batches):
+            is_last = index == len(batches) - 1
+            if reducer:
+                reducer.reduce_in_backward = is_last
+            with ddp.no_sync() if ddp and not is_last else contextlib.nullcontext():
+                loss = loss_of(ddp or raw, ids)
+                loss.backward()
+        if reducer:
+            reducer.finish()
+        losses.append(loss.item())
+        gradient = torch.cat([p.grad.flatten() for p in raw.parameters()])
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    weights = torch.cat([p.detach().flatten() for p in raw.parameters()])
+    return gradient, weights, losses, (reducer.buckets if reducer else None)
+
+
+def relative(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+def spread_over_ranks(tensor):  # the largest difference between this rank's tensor and any other's
+    gathered = [torch.empty_like(tensor) for _ in range(world_size)]
+    dist.all_gather(gathered, tensor)
+    return max(float((other - tensor).abs().max()) for other in gathered)
+
+
+# 1. inline against DDP: several buckets with and without accumulation, and one bucket
+for name, options in [("buckets", {}), ("no_accumulation", {"accumulate": False}), ("one_bucket", {"bucket_mb": 1e3})]:
+    ddp_gradient, ddp_weights, _, _ = train("torch", **options)
+    pending = []
+    gradient, weights, _, buckets = train("inline", observe=pending, **options)
+    results[name] = {"gradient": relative(gradient, ddp_gradient), "weights": relative(weights, ddp_weights),
+                     "rank_spread": spread_over_ranks(weights), "buckets": len(buckets), "pending_at_launch": pending}
+
+# 2. a parameter that one rank (or no rank) does not use
+class TwoBranches(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.used, self.branch = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    def forward(self, x, use_branch):
+        return self.used(x) + (self.branch(x) if use_branch else 0)
+
+x = torch.randn(3, 4, generator=generator)
+for name, use_branch in [("unused_on_rank_1", rank == 0), ("unused_everywhere", False)]:
+    torch.manual_seed(0)
+    reference = DDP(TwoBranches(), find_unused_parameters=True)
+    reference(x, use_branch).sum().backward()
+    torch.manual_seed(0)
+    model = TwoBranches()
+    reducer = train_ddp.InlineReducer(model, 1e-5, "none", {"allreduce": [], "exposed": []})
+    reducer.reduce_in_backward = True
+    model(x, use_branch).sum().backward()
+    reducer.finish()
+    ddp_branch = reference.module.branch.weight.grad
+    results[name] = {"used": relative(model.used.weight.grad, reference.module.used.weight.grad),
+                     "branch": None if ddp_branch is None else relative(model.branch.weight.grad, ddp_branch),
+                     "branch_is_zero": bool((model.branch.weight.grad == 0).all()), "ddp_branch_is_none": ddp_branch is None}
+
+# 3. bf16 compression: DDP's hook and inline alike, close to fp32, and it trains
+fp32_gradient, _, fp32_losses, _ = train("inline", steps=12)
+torch_bf16_gradient, _, _, _ = train("torch", compression="bf16")
+bf16_gradient, _, bf16_losses, _ = train("inline", compression="bf16", steps=12)
+first_fp32_gradient, _, _, _ = train("inline")
+first_bf16_gradient, _, _, _ = train("inline", compression="bf16")
+results["bf16"] = {"vs_fp32": relative(first_bf16_gradient, first_fp32_gradient),
+                   "inline_vs_torch": relative(first_bf16_gradient, torch_bf16_gradient),
+                   "losses": bf16_losses, "fp32_losses": fp32_losses}
+
+# 4. the folk recipe: all_reduce(async_op=True) of the first parameter's gradient, no wait(), no division;
+#    then every gradient launched but not waited for, with rank 1 late; then done right
+for name, everything, wait, late in [("folk_recipe", False, False, False), ("no_wait", True, False, True),
+                                     ("with_wait", True, True, True)]:
+    torch.manual_seed(0)
+    model = train_ddp.build_model(cfg, "causal", 448, special, torch.device("cpu"))[0]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss_of(model, micro_batches[0]).backward()
+    if late and rank == 1:
+        time.sleep(1.0)  # a rank a little behind, as any rank sometimes is
+    params = list(model.parameters()) if everything else [next(model.parameters())]
+    works = [dist.all_reduce(p.grad, async_op=True) for p in params]
+    if wait:
+        for work in works:
+            work.wait()
+        for p in params:
+            p.grad /= world_size
+    finished_before_step = all(work.is_completed() for work in works)
+    optimizer.step()
+    for work in works:
+        work.wait()  # before the next collective: only the step above was meant to race
+    results[name] = {"rank_spread": spread_over_ranks(torch.cat([p.detach().flatten() for p in model.parameters()])),
+                     "first_param_spread": spread_over_ranks(next(model.parameters()).detach().flatten()),
+                     "finished_before_step": finished_before_step}
+
+if rank == 0:
+    print("RESULT " + json.dumps(results), flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.fixture(scope="module")
+def reducer_results(tmp_path_factory):
+    script = tmp_path_factory.mktemp("reducer") / "reducer.py"
+    script.write_text(f"REPO, TINY_MODEL = {str(REPO)!r}, {TINY_MODEL!r}\n" + REDUCER_SCRIPT)
+    result = torchrun(2, script)
+    return json.loads(re.search(r"^RESULT (.*)$", result.stdout, re.MULTILINE).group(1))
+
+
+def test_inline_reducer_gives_the_gradients_and_weights_of_ddp(reducer_results):
+    """Ranks start from different weights (each seeds its own): both reducers must broadcast rank 0's."""
+    for case in ["buckets", "no_accumulation", "one_bucket"]:
+        result = reducer_results[case]
+        assert result["gradient"] < 1e-6 and result["weights"] < 1e-6, (case, result)
+        assert result["rank_spread"] == 0, (case, result)
+    assert reducer_results["buckets"]["buckets"] >= 4 and reducer_results["one_bucket"]["buckets"] == 1
+
+
+def test_inline_reducer_starts_all_reduces_while_backward_still_computes(reducer_results):
+    """In eager mode (the tests run uncompiled): when the first bucket's all-reduce starts, gradients of other
+    buckets are still to come; with one bucket, nothing is left to overlap with."""
+    pending = reducer_results["buckets"]["pending_at_launch"]
+    assert pending[0] > 0 and pending == sorted(pending, reverse=True), pending
+    assert reducer_results["one_bucket"]["pending_at_launch"] == [0]
+
+
+def test_inline_reducer_gives_zeros_for_a_parameter_a_rank_did_not_use(reducer_results):
+    """Used on rank 0 only: the mean of rank 0's gradient and rank 1's zeros, as DDP(find_unused_parameters=True).
+    Used nowhere: a zero gradient (DDP leaves None)."""
+    one = reducer_results["unused_on_rank_1"]
+    assert one["used"] < 1e-6 and one["branch"] < 1e-6, one
+    nowhere = reducer_results["unused_everywhere"]
+    assert nowhere["branch_is_zero"] and nowhere["ddp_branch_is_none"] and nowhere["used"] < 1e-6, nowhere
+
+
+def test_bf16_compressed_gradients_stay_within_1_percent_and_training_still_converges(reducer_results):
+    """bf16 keeps 8 significant bits: each rounding (each rank's gradient, then the sum) is off by at most 2^-9
+    relative. DDP's hook and the inline reducer compress alike."""
+    bf16 = reducer_results["bf16"]
+    assert 0 < bf16["vs_fp32"] < 1e-2, bf16  # > 0: the gradients really travelled as bf16
+    assert bf16["inline_vs_torch"] < 1e-6, bf16
+    assert bf16["losses"][-1] < 0.7 * bf16["losses"][0], bf16
+    assert bf16["losses"][-1] == pytest.approx(bf16["fp32_losses"][-1], rel=0.01), bf16
+
+
+def test_async_all_reduce_without_wait_leaves_ranks_with_different_weights(reducer_results):
+    """The folk recipe (one parameter, async, no wait) leaves every other parameter unsynchronised; launching
+    all of them but not waiting lets a rank step on its own gradient while a slower rank has not yet joined.
+    With wait() (and the division by the world size) every rank holds the same weights."""
+    folk, no_wait, with_wait = (reducer_results[name] for name in ["folk_recipe", "no_wait", "with_wait"])
+    assert folk["rank_spread"] > 1e-3, folk
+    assert not no_wait["finished_before_step"] and no_wait["rank_spread"] > 1e-3, no_wait
+    assert with_wait["finished_before_step"] and with_wait["rank_spread"] == 0, with_wait
 
 
 # ----------------------------------------------------------------------------- training, checkpoints, resume
@@ -847,6 +1052,15 @@ def test_fsdp_a_nan_on_one_rank_skips_that_step_on_every_rank(data_dir, tmp_path
                       "export=false", f"out_dir={tmp_path}", f"checkpoint.dir={tmp_path}/ckpt", env_extra={"FAULT": "nan:0:2"})
     assert "step 2 | non-finite gradient: update skipped (1 in a row)" in result.stdout
     assert [t["skipped_steps"] for t in read_metrics(tmp_path, "train")] == [0, 1, 0, 0]
+
+
+@pytest.mark.parametrize("override", ["dist.reducer=inline", "dist.grad_compression=bf16"])
+def test_fsdp_refuses_the_ddp_reducer_settings(override, monkeypatch):
+    """Refused, not ignored: FSDP reduce-scatters its gradients itself; --check (launch.sh) finds it before any work."""
+    import train_fsdp
+    monkeypatch.setattr(sys, "argv", ["train_fsdp.py", "--check", override])
+    with pytest.raises(train_fsdp.UserError, match=re.escape(override) + r".* are train_ddp\.py's"):
+        train_fsdp.main()
 
 
 def test_fsdp_ranks_hold_a_shard_each_and_the_export_gives_the_trained_logits(tmp_path):
@@ -1881,6 +2095,30 @@ def test_bench_reads_nanogpt_and_our_logs_over_the_same_window_and_writes_one_ro
     assert bench.CONFIG_SIDES["metrics_off"] == [o.replace("true", "false").replace("{prometheus_port}", "0")
                                                  for o in bench.CONFIG_SIDES["metrics_on"]]  # the same three knobs
     assert "| shapeA_1gpu | 1 |" in bench.summary_markdown(stage_records, list(rows.values()))
+
+
+def test_bench_compares_the_inline_reducer_with_ddp_and_derives_ddps_exposed_communication():
+    """DDP's own all-reduce is not timed: its exposed communication is its step time minus that of a run that
+    all-reduces nothing (variant:no_comm), 65,536 tokens per step."""
+    bench = load_bench()
+    common = {"date": "2026-12-01", "machine": "2 × GPU", "tiny": False, "stage": "reducer_shapeA_2gpu"}
+    stage_records = [
+        {**common, "side": "ours", "command": "ddp", "tokens_per_sec": 65536 / 0.060, "loss_last": 4.0,
+         "comm_exposed_ms": None},
+        {**common, "side": "ours_inline", "command": "inline", "tokens_per_sec": 65536 / 0.061, "loss_last": 4.0,
+         "comm_exposed_ms": 2.5, "allreduce_p50_ms": 1.0, "allreduce_p95_ms": 2.0},
+        {**common, "side": "variant:no_comm", "command": "no_comm", "tokens_per_sec": 65536 / 0.058},
+        {**common, "stage": "compression_shapeA_2gpu", "side": "ours_inline_bf16", "command": "bf16",
+         "tokens_per_sec": 65536 / 0.0595},
+    ]
+    rows = {row["metric"]: row for row in bench.figures(stage_records)}
+    assert rows["shapeA_2gpu_ours_inline_tokens_per_sec"]["ratio"] == pytest.approx(60 / 61)
+    assert rows["shapeA_2gpu_ours_inline_bf16_tokens_per_sec"]["ratio"] == pytest.approx(61 / 59.5)
+    assert rows["shapeA_2gpu_ours_comm_exposed_ms"]["value"] == pytest.approx(2.0)
+    inline_exposed = rows["shapeA_2gpu_ours_inline_comm_exposed_ms"]
+    assert inline_exposed["value"] == pytest.approx(3.0) and "wait()): 2.5" in inline_exposed["note"]
+    summary = bench.summary_markdown(stage_records, list(rows.values()))
+    assert "shapeA_2gpu_ours_comm_exposed_ms: 2.0 ms per step" in summary and "comm exposed 2.5 ms/step" in summary
 
 
 def test_bench_flops_per_token_counts_what_the_trainer_counts():

@@ -9,11 +9,13 @@
 (full state, atomic, auto-resume), 7. training loop (bf16 autocast, gradient accumulation with DDP's
 overlapped all-reduce, periodic validation, logging, export). The helpers follow `main()`, grouped under the
 same section numbers. Read section 7 first if you want the training step, `global_batch_plan` for the data split.
+`InlineReducer` (dist.reducer=inline) is what the DDP wrapper does inside, written out.
 Lines marked `# MLM` serve only masked-LM models (BERT): delete them for a causal-only trainer.
 """
 
 import contextlib
 import difflib
+import functools
 import json
 import math
 import os
@@ -199,15 +201,36 @@ def main():
         log0(f"resumed from {resume_dir}: step {step}, {samples_seen:,} samples, {tokens_seen:,} tokens seen")
 
     # ------------------------------------------------------------------------- 7. training loop
+    comm_timings = {"allreduce": [], "exposed": []}  # (start, end) of each timed all-reduce and wait, this interval
     # Wrapped after loading: DDP's constructor copies rank 0's weights to every rank. One process needs no
     # DDP: it would only split the compiled graph at its buckets (below) and all-reduce with itself.
-    ddp_model = DDP(raw_model, device_ids=[local_rank] if use_cuda else None,
-                    gradient_as_bucket_view=True) if world_size > 1 else None  # gradients live in the buckets
+    # dist.reducer=inline does DDP's work in plain sight instead (InlineReducer); one process needs neither.
     use_compile = cfg.train.compile == "true" or (cfg.train.compile == "auto" and use_cuda)
+    ddp_model = reducer = None
+    if world_size > 1 and cfg.dist.reducer == "torch":
+        if use_compile and cfg.dist.bucket_mb < 1:  # seen; the check is in torch/_dynamo/backends/distributed.py
+            die(f"dist.bucket_mb={cfg.dist.bucket_mb} is below 1: under torch.compile, Dynamo's DDPOptimizer takes "
+                "DDP's first bucket to be 1 MiB and stops when the others are smaller -> give dist.bucket_mb=1 or more, "
+                "or use dist.reducer=inline or train.compile=false")
+        # bucket_cap_mb given, DDP's first bucket is that size too (its default is 1 MiB): both reducers bucket alike
+        ddp_model = DDP(raw_model, device_ids=[local_rank] if use_cuda else None, bucket_cap_mb=cfg.dist.bucket_mb,
+                        gradient_as_bucket_view=True)  # gradients live in the buckets
+        if cfg.dist.grad_compression == "bf16":
+            ddp_model.register_comm_hook(comm_timings, bf16_allreduce_hook)
+    elif world_size > 1:
+        reducer = InlineReducer(raw_model, cfg.dist.bucket_mb, cfg.dist.grad_compression, comm_timings)
     # Dynamo splits the compiled graph at DDP's bucket boundaries whenever it compiles code running inside
     # DDP's forward, whichever of the two wraps the other (DDPOptimizer, torch/_dynamo/convert_frame.py):
     # each bucket's all-reduce then starts while backward is still computing the earlier layers.
-    model = torch.compile(ddp_model or raw_model) if use_compile else ddp_model or raw_model
+    model = torch.compile(ddp_model or raw_model) if use_compile and not reducer else ddp_model or raw_model
+    if use_compile and reducer:
+        # Not the whole model: the backward of one compiled graph is one autograd node, whose gradients all appear
+        # when it ends (measured on CPU, GPT-2 of 4 blocks: every hook fired after 99% of backward's time), so no
+        # all-reduce would overlap. Compiled block by block (as train_fsdp.py does), a block's gradients appear
+        # when its backward ends (the same measurement: the 4 blocks' hooks fired at 47%, 67%, 84% and 98%).
+        blocks = [m for m in raw_model.modules() if type(m).__name__ in (raw_model._no_split_modules or [])]
+        for block in blocks or [raw_model]:  # a model that lists no blocks: one graph, no overlap
+            block.compile()
     # the loss in its own compiled graph: the fp32 upcast, log-softmax and gather fuse into few kernels
     loss_of = torch.compile(token_loss_sum) if use_compile else token_loss_sum
     out_dir = Path(cfg.out_dir)
@@ -248,6 +271,8 @@ def main():
         for index, batch in enumerate(micro_batches):
             is_last = index == len(micro_batches) - 1
             # no_sync: accumulate locally; only the last backward all-reduces, overlapped with compute
+            if reducer:
+                reducer.reduce_in_backward = is_last
             with ddp_model.no_sync() if ddp_model and not is_last else contextlib.nullcontext():
                 with autocast:
                     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
@@ -263,6 +288,8 @@ def main():
                 time.sleep(2)  # FAULT
             next_batches = rank_batches(train_data, samples_seen + cfg.train.global_batch_size, cfg.train.seed, cfg,
                                         world_size, rank, device)
+        if reducer:
+            reducer.finish()  # every bucket's sum is in, averaged: before anything reads a gradient
         scaler.unscale_(optimizer)  # clip the true gradient, not the fp16-scaled one
         grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.optim.grad_clip or float("inf"))
         # The step's one wait for the GPU, on purpose: every rank learns whether the gradient is finite and
@@ -319,8 +346,7 @@ def main():
                 "mem_alloc_gib": torch.cuda.memory_allocated() / gib if use_cuda else None,
                 "mem_reserved_gib": torch.cuda.memory_reserved() / gib if use_cuda else None,
                 "mem_peak_gib": torch.cuda.max_memory_allocated() / gib if use_cuda else None,
-                # set by the gradient reducer (dist.reducer)
-                "allreduce_p50_ms": None, "allreduce_p95_ms": None, "comm_exposed_ms": None,
+                **comm_summary(comm_timings, interval_steps),  # allreduce_p50_ms, allreduce_p95_ms, comm_exposed_ms
                 "data_wait_frac": max(frac for _, frac in per_rank),
                 "step_time_skew": max(rank_busy_s) / max(min(rank_busy_s), 1e-9) if world_size > 1 else None,
                 "slowest_rank": rank_busy_s.index(max(rank_busy_s)) if world_size > 1 else None,
@@ -382,6 +408,8 @@ CHOICES = {
     "train.precision": ["auto", "bf16", "fp16", "fp32"],
     "train.compile": ["auto", "true", "false"],
     "dist.backend": ["auto", "nccl", "gloo"],
+    "dist.reducer": ["torch", "inline"],
+    "dist.grad_compression": ["none", "bf16"],
 }
 
 # What each number may be. A value of the right type can still train wrongly and exit 0: grad_clip=-1 flips
@@ -414,6 +442,7 @@ RANGES = {
     "log.peak_tflops": (lambda v: v >= 0, "of at least 0 (0 = look the GPU up)"),
     "log.prometheus_port": (lambda v: 0 <= v <= 65535, "from 0 (off) to 65535"),
     "dist.timeout_s": (lambda v: v > 0, "above 0"),
+    "dist.bucket_mb": (lambda v: v > 0, "above 0"),
 }
 
 
@@ -1138,6 +1167,131 @@ def restore_rng(saved_states, rank, seed, step):
 
 # ----------------------------------------------------------------------------- 7. training loop (helpers)
 
+class InlineReducer:
+    """What DDP does for you, in plain sight (dist.reducer=inline): every rank ends the step with the mean of
+    all ranks' gradients, and the all-reduces run while backward is still computing the earlier layers.
+
+    Backward produces gradients about in reverse registration order (the last layer's first), so parameters
+    are grouped into buckets of bucket_mb in that order. A hook per parameter counts what each bucket still
+    waits for; on the step's last micro-batch, a complete bucket is flattened into one tensor and its
+    all_reduce(async_op=True) starts at once. finish() waits for every bucket, divides by the world size and
+    hands the averages to the optimizer as .grad. Accumulation: the hooks do nothing on the other micro-batches,
+    so each step all-reduces once. World size 1 uses no reducer at all (main(): nothing to average).
+    """
+
+    def __init__(self, model, bucket_mb, compression, timings):
+        self.wire_dtype = torch.bfloat16 if compression == "bf16" else torch.float32
+        self.timings = timings
+        # every rank starts from rank 0's weights, as DDP's constructor makes sure (ranks that differed would
+        # train different models on averaged gradients, silently). Buffers too, once: DDP broadcasts them before
+        # every forward, which matters for running statistics (BatchNorm); transformers' language models have none.
+        for tensor in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(tensor.detach(), src=0)
+        self.buckets, filled = [[]], 0
+        for param in reversed([p for p in model.parameters() if p.requires_grad]):
+            if filled >= bucket_mb * 2**20:  # DDP's rule: a bucket closes once it holds at least bucket_mb
+                self.buckets.append([])
+                filled = 0
+            self.buckets[-1].append(param)
+            filled += param.numel() * param.element_size()
+            # runs when autograd has added this backward's gradient into param.grad (a tied weight: once, the sum)
+            param.register_post_accumulate_grad_hook(functools.partial(self.gradient_ready, len(self.buckets) - 1))
+        self.reduce_in_backward = False  # the training loop sets it: true on the step's last micro-batch
+        self.missing = [len(bucket) for bucket in self.buckets]  # gradients each bucket still waits for
+        self.in_flight = []  # (work, flat bucket) of the buckets launched this step, in bucket order
+
+    def gradient_ready(self, bucket_index, param):
+        if not self.reduce_in_backward:
+            return  # accumulation: the gradient stays local until the step's last micro-batch
+        self.missing[bucket_index] -= 1
+        # Buckets start in bucket order on every rank, as DDP's do: ranks match collectives by their order, so a
+        # rank that started bucket 3 before bucket 2 would add its bucket 3 to another rank's bucket 2.
+        while len(self.in_flight) < len(self.buckets) and self.missing[len(self.in_flight)] == 0:
+            self.launch(len(self.in_flight))
+
+    def launch(self, bucket_index):
+        bucket = self.buckets[bucket_index]
+        # A parameter this rank's backward did not reach contributes zeros (a rank that skipped the bucket would
+        # leave the others waiting in it until dist.timeout_s). One that no rank reached gets a zero gradient,
+        # which AdamW still applies (momentum, weight decay), where DDP stops with an error at the next forward.
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in bucket])
+        for param in bucket:
+            param.grad = None  # the bucket holds it now: one copy of the gradients in memory, not two
+        flat = flat.to(self.wire_dtype)
+        self.in_flight.append((timed_all_reduce(flat, self.timings), flat))
+
+    def finish(self):
+        for bucket_index in range(len(self.in_flight), len(self.buckets)):
+            self.launch(bucket_index)  # buckets still missing a gradient
+        waited_from = time_stamp()
+        for work, _ in self.in_flight:
+            # Without wait() nothing orders the sum before the optimizer's reads: on a GPU, work.wait() makes the
+            # compute stream wait for the communication stream (the host goes on); on gloo the host waits.
+            work.wait()
+        self.timings["exposed"].append((waited_from, time_stamp()))  # communication that backward did not hide
+        for bucket, (_, flat) in zip(self.buckets, self.in_flight):
+            averaged = flat.float().div_(dist.get_world_size())  # bf16 travelled; the division is in fp32
+            for param, grad in zip(bucket, averaged.split([p.numel() for p in bucket])):
+                param.grad = grad.view_as(param)  # a view of the bucket, no copy (DDP: gradient_as_bucket_view)
+        self.missing = [len(bucket) for bucket in self.buckets]
+        self.in_flight = []
+
+
+def bf16_allreduce_hook(timings, bucket):
+    """DDP communication hook of dist.grad_compression=bf16: a bucket travels as bf16 and is divided by the
+    world size in fp32, as InlineReducer does it (DDP leaves the division to a registered hook). Not torch's
+    bf16_compress_hook: it divides in bf16, and DDP accepts a hook of that name only with NCCL (register_comm_hook)."""
+    buffer = bucket.buffer()
+    work = timed_all_reduce(buffer.to(torch.bfloat16), timings)
+
+    def average(future):
+        return buffer.copy_(future.value()[0]).div_(dist.get_world_size())
+
+    return work.get_future().then(average)
+
+
+def timed_all_reduce(flat, timings):
+    """Start the all_reduce (sum) of one flat bucket without waiting for it; its start and end go to timings.
+    The end is stamped in a callback of the work's future: gloo runs it when the sum is done; NCCL runs it once
+    the all-reduce is enqueued, on a callback stream that waits for it (Work.get_future's documentation), so an
+    event recorded there completes with the all-reduce. Neither makes the host wait."""
+    started = time_stamp()
+    work = dist.all_reduce(flat, async_op=True)
+    work.get_future().then(lambda _: timings["allreduce"].append((started, time_stamp())))
+    return work
+
+
+def time_stamp():
+    """Now: on a GPU a CUDA event recorded on the current stream, read at log time (reading it now would make
+    the host wait for the GPU); on a CPU the host clock."""
+    if not torch.cuda.is_available():
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def elapsed_ms(start, end):
+    if isinstance(start, float):
+        return 1000 * (end - start)
+    end.synchronize()  # at log time only
+    return start.elapsed_time(end)
+
+
+def comm_summary(comm_timings, steps):
+    """The interval's exposed communication (ms per step: the time spent waiting for all-reduces that
+    backward did not hide) and all-reduce latency percentiles (ms from a bucket's start to its end, waiting
+    behind earlier buckets included); None where nothing was timed (DDP's own all-reduce, inside its C++
+    reducer, and FSDP's collectives are not). Empties the lists for the next interval."""
+    exposed, comm_timings["exposed"] = comm_timings["exposed"], []
+    latencies, comm_timings["allreduce"] = comm_timings["allreduce"], []  # a late gloo callback appends to the new list
+    exposed_ms = [elapsed_ms(start, end) for start, end in exposed]
+    latency_ms = [elapsed_ms(start, end) for start, end in latencies]
+    return {"comm_exposed_ms": sum(exposed_ms) / steps if exposed_ms else None,
+            "allreduce_p50_ms": float(np.percentile(latency_ms, 50)) if latency_ms else None,
+            "allreduce_p95_ms": float(np.percentile(latency_ms, 95)) if latency_ms else None}
+
+
 def evaluate(model, val_data, cfg, world_size, rank, device, autocast):
     """Mean loss per label token over the same validation batches every time, each rank computing its share.
     Rank 0 alone would be world_size times slower, and would hang the others if the forward pass itself
@@ -1370,6 +1524,10 @@ def log_line(record, max_steps):
                  f"{record['mem_peak_gib']:.1f} GiB alloc/res/peak")
     if record["gpu_util"] is not None:
         line += f" | gpu {record['gpu_util']:.0f}%"
+    if record["comm_exposed_ms"] is not None:
+        line += f" | comm exposed {record['comm_exposed_ms']:.1f} ms/step"
+    if record["allreduce_p50_ms"] is not None:
+        line += f" | all-reduce p50/p95 {record['allreduce_p50_ms']:.1f}/{record['allreduce_p95_ms']:.1f} ms"
     line += f" | data {100 * record['data_wait_frac']:.1f}%"
     if record["step_time_skew"] is not None:
         line += f" | skew {record['step_time_skew']:.2f} (rank {record['slowest_rank']})"

@@ -109,6 +109,10 @@ def main():
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     micro_batches_per_step = check_config(cfg, world_size)
+    if cfg.dist.reducer != "torch" or cfg.dist.grad_compression != "none":
+        die(f"dist.reducer={cfg.dist.reducer} and dist.grad_compression={cfg.dist.grad_compression} are train_ddp.py's: "
+            "FSDP reduce-scatters its gradients itself, in fp32 (MixedPrecisionPolicy) -> leave them at torch and none, "
+            "or use train_ddp.py")
     if check_only:
         for key in ["data.dir", "checkpoint.dir", "checkpoint.resume", "out_dir", "dist.timeout_s"]:
             print(f"{key}={config_dict(cfg)[key]}")
@@ -226,9 +230,8 @@ def main():
         log0(f"resumed from {resume_dir}: step {step}, {samples_seen:,} samples, {tokens_seen:,} tokens seen")
 
     # ------------------------------------------------------------------------- 7. training loop
+    comm_timings = {"allreduce": [], "exposed": []}  # (start, end) of each timed all-reduce and wait, this interval
     model = raw_model  # sharded in place by fully_shard, its blocks compiled there (section 4)
-    # the loss in its own compiled graph: the fp32 upcast, log-softmax and gather fuse into few kernels
-    loss_of = torch.compile(token_loss_sum) if use_compile else token_loss_sum
     # dcp.async_save writes in a background thread and needs a process group with a CPU backend
     async_group = dist.new_group(backend="gloo") if cfg.checkpoint.async_save else None
     checkpoint_in_flight = None  # an async checkpoint still being written: published before the next one
@@ -345,8 +348,7 @@ def main():
                 "mem_alloc_gib": torch.cuda.memory_allocated() / gib if use_cuda else None,
                 "mem_reserved_gib": torch.cuda.memory_reserved() / gib if use_cuda else None,
                 "mem_peak_gib": torch.cuda.max_memory_allocated() / gib if use_cuda else None,
-                # set by the gradient reducer (dist.reducer)
-                "allreduce_p50_ms": None, "allreduce_p95_ms": None, "comm_exposed_ms": None,
+                **comm_summary(comm_timings, interval_steps),  # allreduce_p50_ms, allreduce_p95_ms, comm_exposed_ms
                 "data_wait_frac": max(frac for _, frac in per_rank),
                 "step_time_skew": max(rank_busy_s) / max(min(rank_busy_s), 1e-9) if world_size > 1 else None,
                 "slowest_rank": rank_busy_s.index(max(rank_busy_s)) if world_size > 1 else None,
@@ -416,6 +418,8 @@ CHOICES = {
     "train.precision": ["auto", "bf16", "fp16", "fp32"],
     "train.compile": ["auto", "true", "false"],
     "dist.backend": ["auto", "nccl", "gloo"],
+    "dist.reducer": ["torch", "inline"],
+    "dist.grad_compression": ["none", "bf16"],
 }
 
 # What each number may be. A value of the right type can still train wrongly and exit 0: grad_clip=-1 flips
@@ -448,6 +452,7 @@ RANGES = {
     "log.peak_tflops": (lambda v: v >= 0, "of at least 0 (0 = look the GPU up)"),
     "log.prometheus_port": (lambda v: 0 <= v <= 65535, "from 0 (off) to 65535"),
     "dist.timeout_s": (lambda v: v > 0, "above 0"),
+    "dist.bucket_mb": (lambda v: v > 0, "above 0"),
 }
 
 
@@ -1263,6 +1268,37 @@ def restore_rng(saved_states, rank, seed, step):
 
 # ----------------------------------------------------------------------------- 7. training loop (helpers)
 
+def time_stamp():
+    """Now: on a GPU a CUDA event recorded on the current stream, read at log time (reading it now would make
+    the host wait for the GPU); on a CPU the host clock."""
+    if not torch.cuda.is_available():
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def elapsed_ms(start, end):
+    if isinstance(start, float):
+        return 1000 * (end - start)
+    end.synchronize()  # at log time only
+    return start.elapsed_time(end)
+
+
+def comm_summary(comm_timings, steps):
+    """The interval's exposed communication (ms per step: the time spent waiting for all-reduces that
+    backward did not hide) and all-reduce latency percentiles (ms from a bucket's start to its end, waiting
+    behind earlier buckets included); None where nothing was timed (DDP's own all-reduce, inside its C++
+    reducer, and FSDP's collectives are not). Empties the lists for the next interval."""
+    exposed, comm_timings["exposed"] = comm_timings["exposed"], []
+    latencies, comm_timings["allreduce"] = comm_timings["allreduce"], []  # a late gloo callback appends to the new list
+    exposed_ms = [elapsed_ms(start, end) for start, end in exposed]
+    latency_ms = [elapsed_ms(start, end) for start, end in latencies]
+    return {"comm_exposed_ms": sum(exposed_ms) / steps if exposed_ms else None,
+            "allreduce_p50_ms": float(np.percentile(latency_ms, 50)) if latency_ms else None,
+            "allreduce_p95_ms": float(np.percentile(latency_ms, 95)) if latency_ms else None}
+
+
 def evaluate(model, val_data, cfg, world_size, rank, device, autocast):
     """Mean loss per label token over the same validation batches every time, each rank computing its share.
     Rank 0 alone would be world_size times slower, and would hang the others if the forward pass itself
@@ -1495,6 +1531,10 @@ def log_line(record, max_steps):
                  f"{record['mem_peak_gib']:.1f} GiB alloc/res/peak")
     if record["gpu_util"] is not None:
         line += f" | gpu {record['gpu_util']:.0f}%"
+    if record["comm_exposed_ms"] is not None:
+        line += f" | comm exposed {record['comm_exposed_ms']:.1f} ms/step"
+    if record["allreduce_p50_ms"] is not None:
+        line += f" | all-reduce p50/p95 {record['allreduce_p50_ms']:.1f}/{record['allreduce_p95_ms']:.1f} ms"
     line += f" | data {100 * record['data_wait_frac']:.1f}%"
     if record["step_time_skew"] is not None:
         line += f" | skew {record['step_time_skew']:.2f} (rank {record['slowest_rank']})"

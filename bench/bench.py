@@ -96,15 +96,37 @@ STAGES = {
     # issue 8: syncs between host and GPU, counted by torch.cuda.set_sync_debug_mode over 40 steps
     "sync_check_shapeA_1gpu": {"sides": ["variant:sync_debug"], "shape": "A", "gpus": 1, "steps": 40,
                                "skip_steps": 10, "log_every": 20, "timeout_s": 200},
+    # issue 10: DDP's reducer ("ours") against InlineReducer ("ours_inline"), and bf16 gradient compression, on
+    # 2 GPUs (SIDE_OVERRIDES). variant:no_comm all-reduces nothing (it does not train: a clock), so DDP's
+    # exposed communication is the step time "ours" has above it; the inline reducer also measures its own.
+    # A side of shape B takes ~3 minutes, mostly start-up and compilation (fsdp_shapeB_2gpu's DDP side: 182 s
+    # for 30 steps), one of shape A ~1.5: one stage per call of the GPU machine (10 minutes at most).
+    "reducer_shapeA_2gpu": {"sides": ["ours", "ours_inline", "variant:no_comm"], "shape": "A", "gpus": 2,
+                            "steps": 150, "skip_steps": 30, "log_every": 10, "timeout_s": 200},
+    "compression_shapeA_2gpu": {"sides": ["ours_bf16", "ours_inline_bf16", "ours_inline_fp16"], "shape": "A",
+                                "gpus": 2, "steps": 150, "skip_steps": 30, "log_every": 10, "timeout_s": 200},
+    "reducer_shapeB_2gpu": {"sides": ["ours", "ours_inline"], "shape": "B", "gpus": 2, "steps": 40, "skip_steps": 10,
+                            "log_every": 5, "timeout_s": 280},
+    "compression_shapeB_2gpu": {"sides": ["variant:no_comm", "ours_inline_bf16"], "shape": "B", "gpus": 2,
+                                "steps": 40, "skip_steps": 10, "log_every": 5, "timeout_s": 280},
     "bert": {"sides": [], "placeholder": "the masked-LM measurements of issue 8 are not written yet"},
+}
+# Sides that run train_ddp.py with settings of their own (after the stage's: a later key=value wins)
+SIDE_OVERRIDES = {
+    "ours_inline": ["dist.reducer=inline"],
+    "ours_bf16": ["dist.grad_compression=bf16"],
+    "ours_inline_bf16": ["dist.reducer=inline", "dist.grad_compression=bf16"],
+    "ours_inline_fp16": ["dist.reducer=inline", "train.precision=fp16"],  # the GradScaler path
 }
 TINY_STEPS = {"steps": 12, "skip_steps": 4, "log_every": 2, "timeout_s": 240}
 
 # Variants of train_ddp.py for the ablation: each is the trainer with one change, made by replacing text
 # (so each stays a single readable file); a replacement that no longer matches stops that side with an error.
 VARIANTS = {
-    "ddp_at_world_size_1": [("gradient_as_bucket_view=True) if world_size > 1 else None",
-                             "gradient_as_bucket_view=True)")],  # the DDP wrapper on one process too
+    "ddp_at_world_size_1": [("if world_size > 1 and cfg.dist.reducer == \"torch\":",
+                             "if cfg.dist.reducer == \"torch\":")],  # the DDP wrapper on one process too
+    "no_comm": [("with ddp_model.no_sync() if ddp_model and not is_last else",
+                 "with ddp_model.no_sync() if ddp_model else")],  # never all-reduces: a clock, not training
     "plain_loss": [("    loss_of = torch.compile(token_loss_sum) if use_compile else token_loss_sum",
                     "    loss_of = token_loss_sum")],
     "use_cache": [("    config.use_cache = False", "    config.use_cache = True")],
@@ -124,6 +146,7 @@ CONFIG_SIDES = {
 }
 
 DATA_WAIT_KEY = "data_wait_frac"  # a metrics.jsonl "train" key
+COMM_KEYS = ["comm_exposed_ms", "allreduce_p50_ms", "allreduce_p95_ms"]  # metrics.jsonl; None where not timed
 
 
 # The trainer's config keys this script sets (config.yaml); change them here if the trainer renames one.
@@ -322,6 +345,8 @@ def variant_script(name):
 
 
 def run_ours(stage_name, stage, shape, batch, tiny, port, log, side="ours"):
+    if tiny and "train.precision=fp16" in SIDE_OVERRIDES.get(side, []):
+        return {"status": "skipped: fp16 needs a GPU"}
     run_dir = WORK_DIR / stage_name / side.replace(":", "_").replace("#", "_")
     remove_tree(run_dir)  # a checkpoint left there would be resumed (checkpoint.resume=auto) and train no step
     env_extra = {**device_env(stage["gpus"], tiny), "NPROC_PER_NODE": str(stage["gpus"]), "MASTER_PORT": str(port),
@@ -332,13 +357,13 @@ def run_ours(stage_name, stage, shape, batch, tiny, port, log, side="ours"):
     if side == "variant:before_issue_6":  # its config has no export key and always checkpoints at the end
         overrides = [o for o in overrides if o not in ("checkpoint.every=0", "export=false")]
         overrides += [f"checkpoint.every={stage['steps']}", "log.sample_prompt="]
-    script = {"ours": "train_ddp.py", "ours_fsdp": "train_fsdp.py"}.get(side)
+    script = {"ours": "train_ddp.py", "ours_fsdp": "train_fsdp.py", **{name: "train_ddp.py" for name in SIDE_OVERRIDES}}.get(side)
     if side.startswith("variant:"):
         script = str(variant_script(side.split(":", 1)[1]).relative_to(REPO))
     if side.startswith("config:"):
         script = "train_ddp.py"
         overrides += [o.format(prometheus_port=port + 5) for o in CONFIG_SIDES[side.split(":", 1)[1].split("#")[0]]]
-    command = ["bash", "launch.sh", script, *overrides, *stage.get("extra", [])]
+    command = ["bash", "launch.sh", script, *overrides, *stage.get("extra", []), *SIDE_OVERRIDES.get(side, [])]
     status, output, seconds = run_process(command, REPO, env_extra, stage["timeout_s"], log)
     record = {"command": shell_text(command, env_extra, REPO), "status": status, "seconds": round(seconds, 1)}
     if side == "variant:sync_debug":  # warnings between the first and the last logged step
@@ -370,7 +395,7 @@ def read_our_metrics(records, skip_steps):
     train = [r for r in records if r.get("kind") == "train"]
     tokens = seconds = mfu_seconds = wait_seconds = 0.0
     previous_tokens = 0  # a fresh run: run_ours empties the run directory, so nothing is resumed
-    window, has_wait = [], True
+    window, has_wait, comm = [], True, {key: [] for key in COMM_KEYS}
     for r in train:
         interval_tokens, previous_tokens = r["tokens_seen"] - previous_tokens, r["tokens_seen"]
         if r["step"] <= skip_steps:
@@ -382,6 +407,9 @@ def read_our_metrics(records, skip_steps):
         has_wait = has_wait and r.get(DATA_WAIT_KEY) is not None
         wait_seconds += (r.get(DATA_WAIT_KEY) or 0.0) * interval_s
         window.append(r)
+        for key in COMM_KEYS:
+            if r.get(key) is not None:
+                comm[key].append(r[key])
     if not seconds:
         return {"tokens_per_sec": None, "note": f"no logged interval after step {skip_steps}"}
     gpu_utils = [r["gpu_util"] for r in window if r.get("gpu_util") is not None]
@@ -393,6 +421,9 @@ def read_our_metrics(records, skip_steps):
         "window": f"steps {skip_steps + 1}-{window[-1]['step']}",
         "window_s": round(seconds, 2),
         "peak_mem_gib": max((r["mem_peak_gib"] for r in train if r.get("mem_peak_gib") is not None), default=None),
+        "loss_last": train[-1].get("loss"),
+        # the mean of the window's intervals (an interval's p50/p95 are over its all-reduces); None: not timed
+        **{key: sum(values) / len(values) if values else None for key, values in comm.items()},
     }
 
 
@@ -639,6 +670,27 @@ def figures(stage_records):
             row(metric, hf.get("tokens_per_sec"), "tokens/s",
                 "ours: train_ddp.py shape A, 1 GPU" + ("" if ours_a else " (not run with it: no baseline)"),
                 (ours_a or {}).get("tokens_per_sec"), hf.get("command"), (ours_a or {}).get("command"), hf)
+    for shape in ["A", "B"]:  # issue 10: a shape's sides, from its two stages
+        sides = {**by_stage.get(f"compression_shape{shape}_2gpu", {}), **by_stage.get(f"reducer_shape{shape}_2gpu", {})}
+        prefix = f"shape{shape}_2gpu"
+        for name, baseline_name, label in [("ours_inline", "ours", "DDP (dist.reducer=torch)"),
+                                           ("ours_bf16", "ours", "DDP, uncompressed"),
+                                           ("ours_inline_bf16", "ours_inline", "inline reducer, uncompressed")]:
+            side, baseline = sides.get(name), sides.get(baseline_name) or {}
+            if side:
+                row(f"{prefix}_{name}_tokens_per_sec", side.get("tokens_per_sec"), "tokens/s", label + ", same shape",
+                    baseline.get("tokens_per_sec"), side.get("command"), baseline.get("command"), side,
+                    f"last logged loss {number(side.get('loss_last'), 4)} vs {number(baseline.get('loss_last'), 4)}")
+        no_comm = sides.get("variant:no_comm")
+        for name in ["ours", "ours_inline", "ours_bf16", "ours_inline_bf16"]:
+            side = sides.get(name)
+            if side and no_comm and side.get("tokens_per_sec") and no_comm.get("tokens_per_sec"):
+                step_ms = 1000 * tokens_per_step(TINY_BATCH if side.get("tiny") else BATCH)
+                exposed = step_ms / side["tokens_per_sec"] - step_ms / no_comm["tokens_per_sec"]
+                row(f"{prefix}_{name}_comm_exposed_ms", exposed, "ms per step: its step time minus variant:no_comm's",
+                    None, None, side.get("command"), no_comm.get("command"), side,
+                    f"measured by the trainer (time in wait()): {number(side.get('comm_exposed_ms'), 2)}; all-reduce "
+                    f"p50/p95 {number(side.get('allreduce_p50_ms'), 2)}/{number(side.get('allreduce_p95_ms'), 2)} ms")
     return rows
 
 
@@ -695,6 +747,10 @@ def summary_markdown(stage_records, rows):
         for r in other:
             extra = (f", {r['syncs_between_logged_steps']} syncs in {r['steps_between_logged_steps']} steps"
                      if "syncs_between_logged_steps" in r else "")
+            if r.get("comm_exposed_ms") is not None:
+                extra += f", comm exposed {r['comm_exposed_ms']:.1f} ms/step"
+            if r.get("allreduce_p50_ms") is not None:
+                extra += f", all-reduce p50/p95 {r['allreduce_p50_ms']:.1f}/{r['allreduce_p95_ms']:.1f} ms"
             lines.append(f"| {r['stage']} | {r['side']} | {r.get('gpus')} | {number(r.get('parameters_millions'), 1)}M "
                          f"| {r.get('window', '—')} | {number(r.get('tokens_per_sec'))} | {percent(r.get('mfu'))} "
                          f"| {number(r.get('peak_mem_gib'), 1)} | {r.get('status')}{extra} |")
@@ -706,6 +762,12 @@ def summary_markdown(stage_records, rows):
         for hf in hf_sides:
             lines.append(f"| {hf['side']} | {hf.get('window', '—')} | {number(hf.get('tokens_per_sec'))} "
                          f"| {number(ratio(hf.get('tokens_per_sec'), ours_tps), 2)} | {hf.get('status')} |")
+    issue_10 = [row for row in rows if row["metric"].startswith(("shapeA_2gpu_ours_", "shapeB_2gpu_ours_"))]
+    if issue_10:
+        lines += ["", "Issue 10 (gradient reducer, bf16 compression; ratio = value / baseline):", ""]
+        lines += [f"- {row['metric']}: {number(row['value'], 1)} {row['unit']}"
+                  + (f"; {row['baseline']}: {number(row['baseline_value'], 1)}, ratio {number(row['ratio'], 3)}"
+                     if row["baseline"] else "") + (f"; {row['note']}" if row["note"] else "") for row in issue_10]
     lines += ["", "Commands (from the repository root; each side's seconds include start-up, compile, "
               "the unavoidable evaluations, ours' final checkpoint and export):", ""]
     for r in stage_records:
