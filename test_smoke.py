@@ -61,7 +61,7 @@ def run(command, env_extra=None, timeout=300, cwd=REPO):
 
 
 def torchrun(nproc, script, *args, timeout=300, must_pass=True, env_extra=None):
-    if script.startswith("train_"):  # a hung collective fails (naming the lost ranks) before the test's timeout
+    if str(script).startswith("train_"):  # a hung collective fails (naming the lost ranks) before the test's timeout
         args = ("dist.timeout_s=120", *args)  # a test's own dist.timeout_s comes later and wins
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
                "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(REPO / script), *args]
