@@ -91,8 +91,8 @@ STAGES = {
     # issue 9: what the metrics cost: TensorBoard, Prometheus and NVML all on against all off (CONFIG_SIDES),
     # twice each in turns (off, on, off, on), so that a drift of the machine over the call falls on both
     "metrics_cost_shapeA_1gpu": {"sides": ["config:metrics_off#1", "config:metrics_on#1", "config:metrics_off#2",
-                                           "config:metrics_on#2"], "shape": "A", "gpus": 1, "steps": 150,
-                                 "skip_steps": 30, "log_every": 10, "timeout_s": 200},
+                                           "config:metrics_on#2"], "shape": "A", "gpus": 1, "steps": 120,
+                                 "skip_steps": 20, "log_every": 10, "timeout_s": 200},
     # issue 8: syncs between host and GPU, counted by torch.cuda.set_sync_debug_mode over 40 steps
     "sync_check_shapeA_1gpu": {"sides": ["variant:sync_debug"], "shape": "A", "gpus": 1, "steps": 40,
                                "skip_steps": 10, "log_every": 20, "timeout_s": 200},
@@ -102,9 +102,9 @@ STAGES = {
     # A side of shape B takes ~3 minutes, mostly start-up and compilation (fsdp_shapeB_2gpu's DDP side: 182 s
     # for 30 steps), one of shape A ~1.5: one stage per call of the GPU machine (10 minutes at most).
     "reducer_shapeA_2gpu": {"sides": ["ours", "ours_inline", "variant:no_comm"], "shape": "A", "gpus": 2,
-                            "steps": 150, "skip_steps": 30, "log_every": 10, "timeout_s": 200},
-    "compression_shapeA_2gpu": {"sides": ["ours_bf16", "ours_inline_bf16", "ours_inline_fp16"], "shape": "A",
-                                "gpus": 2, "steps": 150, "skip_steps": 30, "log_every": 10, "timeout_s": 200},
+                            "steps": 120, "skip_steps": 20, "log_every": 10, "timeout_s": 200},
+    "compression_shapeA_2gpu": {"sides": ["ours_bf16", "ours_inline_fp16"], "shape": "A",
+                                "gpus": 2, "steps": 120, "skip_steps": 20, "log_every": 10, "timeout_s": 200},
     "reducer_shapeB_2gpu": {"sides": ["ours", "ours_inline"], "shape": "B", "gpus": 2, "steps": 40, "skip_steps": 10,
                             "log_every": 5, "timeout_s": 280},
     "compression_shapeB_2gpu": {"sides": ["variant:no_comm", "ours_inline_bf16"], "shape": "B", "gpus": 2,
