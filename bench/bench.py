@@ -103,9 +103,9 @@ STAGES = {
     # for 30 steps), one of shape A ~1.5: one stage per call of the GPU machine (10 minutes at most).
     "reducer_shapeA_2gpu": {"sides": ["ours", "ours_inline", "variant:no_comm"], "shape": "A", "gpus": 2,
                             "steps": 120, "skip_steps": 20, "log_every": 10, "timeout_s": 200},
-    "compression_shapeA_2gpu": {"sides": ["ours_bf16", "ours_inline_fp16"], "shape": "A",
+    "compression_shapeA_2gpu": {"sides": ["ours_bf16"], "shape": "A",
                                 "gpus": 2, "steps": 120, "skip_steps": 20, "log_every": 10, "timeout_s": 200},
-    "reducer_shapeB_2gpu": {"sides": ["ours", "ours_inline"], "shape": "B", "gpus": 2, "steps": 40, "skip_steps": 10,
+    "reducer_shapeB_2gpu": {"sides": ["ours", "ours_inline"], "shape": "B", "gpus": 2, "steps": 30, "skip_steps": 10,
                             "log_every": 5, "timeout_s": 280},
     "compression_shapeB_2gpu": {"sides": ["variant:no_comm", "ours_inline_bf16"], "shape": "B", "gpus": 2,
                                 "steps": 40, "skip_steps": 10, "log_every": 5, "timeout_s": 280},
