@@ -902,7 +902,7 @@ def tier_embedding(raw_model, data_dir, meta, cfg, precision, device):  # tiered
             f"{type(embedding).__name__} -> set model.embedding_gpu_rows=0")
     if cfg.model.embedding_gpu_rows >= embedding.num_embeddings:
         die(f"model.embedding_gpu_rows={cfg.model.embedding_gpu_rows} is not below the embedding's "
-            f"{embedding.num_embeddings} rows, so no row would stay in CPU memory -> set it lower, or 0 for one GPU table")
+            f"{embedding.num_embeddings} rows, so no row would stay in CPU memory -> set it lower, or 0 for one table")
     frequency_file = data_dir / meta.get("token_frequencies_file", "token_frequencies.npy")
     try:
         frequencies = np.load(frequency_file)
@@ -918,7 +918,7 @@ def tier_embedding(raw_model, data_dir, meta, cfg, precision, device):  # tiered
     raw_model.set_input_embeddings(tiered)
     covered = frequencies[hot_ids[hot_ids < len(frequencies)].numpy()].sum() / max(1, frequencies.sum())
     log0(f"input embedding tiered: the rows of the {len(hot_ids):,} most frequent tokens ({100 * covered:.1f}% of the "
-         f"train tokens) on {device.type}, the other {len(tiered.cold_ids):,} in CPU memory (not in the parameters below)")
+         f"train tokens) on {device.type}, the other {len(tiered.cold_ids):,} in CPU memory (not counted below)")
     return tiered
 
 
@@ -952,6 +952,7 @@ class TieredEmbedding(torch.nn.Module):  # tiered
         self.staged = []  # prefetched micro-batches, in the order the forward passes use them
         self.touched = []  # (cold slots, their rows on the device) of each forward pass since reduce_gradients
         self.pending = None  # (cold rows, their values with .grad) from reduce_gradients to step
+        self.buffers = {}  # CPU work space kept between steps, see buffer()
 
     def set_tiers(self, hot_ids, vocab_rows):
         is_hot = torch.zeros(vocab_rows, dtype=torch.bool)
@@ -1001,7 +1002,8 @@ class TieredEmbedding(torch.nn.Module):  # tiered
         # validation and generate() call the model without a prefetch: staged here, waiting for the GPU once
         staged = self.staged.pop(0) if self.staged else self.stage(input_ids.cpu())
         if staged.shape != input_ids.shape:
-            raise RuntimeError(f"TieredEmbedding: prefetched a batch of {tuple(staged.shape)}, got {tuple(input_ids.shape)}")
+            raise RuntimeError(f"TieredEmbedding: prefetched a batch of {tuple(staged.shape)}, "
+                               f"got one of {tuple(input_ids.shape)}")
         if staged.ready is not None:
             compute_stream = torch.cuda.current_stream(self.device)
             compute_stream.wait_event(staged.ready)  # nothing below runs before the copy has landed; the host goes on
@@ -1016,6 +1018,14 @@ class TieredEmbedding(torch.nn.Module):  # tiered
             self.touched.append((staged.cold_slots, rows))
         return F.embedding(staged.table_index, torch.cat([self.hot_weight, rows]), padding_idx=staged.padding_index)
 
+    def buffer(self, name, rows):
+        """A (rows, width) CPU tensor, a view of one kept from step to step: a new tensor of this size at every
+        step costs its page faults every time (measured on the 2-core test machine: 21 ms to first touch 13,600
+        rows x 768, 4 ms to write them again). Pinned on a GPU machine, where a copy from the GPU lands in it."""
+        if name not in self.buffers or len(self.buffers[name]) < rows:
+            self.buffers[name] = torch.empty((rows + rows // 4, self.width), pin_memory=self.copy_stream is not None)
+        return self.buffers[name][:rows]
+
     def reduce_gradients(self, world_size, device):
         """The gradient of the cold rows the step touched, summed over micro-batches and ranks and divided by
         world_size, as DDP averages the hot rows' gradient. Returns [the touched rows' values, a CPU tensor whose
@@ -1024,15 +1034,16 @@ class TieredEmbedding(torch.nn.Module):  # tiered
         slots = torch.cat([cold_slots for cold_slots, _ in self.touched])
         grads = torch.cat([rows.grad if rows.grad is not None else torch.zeros_like(rows) for _, rows in self.touched])
         self.touched = []
+        padding_slot = len(self.slot_of_id)  # above every real slot: torch.unique sorts it last
         if world_size > 1:  # ranks touch different rows: every rank's (slot, gradient) pairs go to every rank
-            slots, grads = gather_from_ranks(slots.to(device), grads.detach(), world_size)
-        slots, grads = slots.cpu(), grads.cpu()  # waits for the backward pass
-        real = slots >= 0  # not padding
-        unique_slots, position = torch.unique(slots[real], return_inverse=True)
-        summed = torch.zeros((len(unique_slots), self.width)).index_add_(0, position, grads[real]) / world_size
-        rows = unique_slots - self.hot_rows
-        touched = self.cold_weight[rows]
-        touched.grad = summed
+            slots, grads = gather_from_ranks(slots.to(device), grads.detach(), world_size, padding_slot)
+        slots, grads = slots.cpu(), self.buffer("grads", len(grads)).copy_(grads)  # waits for the backward pass
+        unique_slots, position = torch.unique(slots, return_inverse=True)
+        summed = self.buffer("summed", len(unique_slots)).zero_().index_add_(0, position, grads).div_(world_size)
+        real = len(unique_slots) - int(unique_slots[-1] == padding_slot) if len(unique_slots) else 0
+        rows = unique_slots[:real] - self.hot_rows
+        touched = torch.index_select(self.cold_weight, 0, rows, out=self.buffer("touched", real))
+        touched.grad = summed[:real]
         self.pending = rows, touched
         return [touched]
 
@@ -1046,14 +1057,19 @@ class TieredEmbedding(torch.nn.Module):  # tiered
         grad, self.pending = weight.grad, None
         steps = self.cold_steps[rows] + 1
         self.cold_steps[rows] = steps
-        exp_avg, exp_avg_sq = self.cold_exp_avg[rows], self.cold_exp_avg_sq[rows]
+        exp_avg = torch.index_select(self.cold_exp_avg, 0, rows, out=self.buffer("exp_avg", len(rows)))
+        exp_avg_sq = torch.index_select(self.cold_exp_avg_sq, 0, rows, out=self.buffer("exp_avg_sq", len(rows)))
         weight.mul_(1 - lr * optim.weight_decay)
         exp_avg.lerp_(grad, 1 - optim.beta1)
         exp_avg_sq.mul_(optim.beta2).addcmul_(grad, grad, value=1 - optim.beta2)
         step_size = (lr / (1 - optim.beta1 ** steps.double())).float()[:, None]
         bias_correction2_sqrt = (1 - optim.beta2 ** steps.double()).sqrt().float()[:, None]
-        weight.addcdiv_(exp_avg * step_size, (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(optim.eps), value=-1)
-        self.cold_weight[rows], self.cold_exp_avg[rows], self.cold_exp_avg_sq[rows] = weight, exp_avg, exp_avg_sq
+        denominator = torch.sqrt(exp_avg_sq, out=self.buffer("denominator", len(rows)))
+        denominator.div_(bias_correction2_sqrt).add_(optim.eps)
+        weight.sub_(torch.div(exp_avg, denominator, out=denominator).mul_(step_size))  # AdamW: - step_size * m / denom
+        self.cold_weight.index_copy_(0, rows, weight)
+        self.cold_exp_avg.index_copy_(0, rows, exp_avg)
+        self.cold_exp_avg_sq.index_copy_(0, rows, exp_avg_sq)
 
     def get_extra_state(self):
         """The cold rows, their lazy AdamW state and the tier map go into the model's state dict (model.pt)."""
@@ -1077,13 +1093,14 @@ class TieredEmbedding(torch.nn.Module):  # tiered
         return torch.nn.Embedding.from_pretrained(weight, freeze=False, padding_idx=self.padding_idx)
 
 
-def gather_from_ranks(slots, grads, world_size):  # tiered
+def gather_from_ranks(slots, grads, world_size, padding_slot):  # tiered
     """Every rank's (slot, gradient row) pairs on every rank, in rank order. all_gather needs one size: each
-    rank pads to the longest (slot -1) first, so a step sends world_size x that many rows to every rank."""
+    rank pads to the longest (padding_slot, zero gradient) first, so a step sends world_size x that many rows to
+    every rank."""
     longest = torch.tensor([len(slots)], device=slots.device)
     dist.all_reduce(longest, op=dist.ReduceOp.MAX)
     longest = int(longest)
-    padded_slots = torch.full((longest,), -1, dtype=torch.long, device=slots.device)
+    padded_slots = torch.full((longest,), padding_slot, dtype=torch.long, device=slots.device)
     padded_slots[:len(slots)] = slots
     padded_grads = torch.zeros((longest, grads.shape[1]), dtype=grads.dtype, device=grads.device)
     padded_grads[:len(grads)] = grads
