@@ -7,7 +7,8 @@ Run it (no arguments: this Python's own standard library, 10-30 MB of *.py, into
 Read `main()` at the bottom first, then `write_shards()`, which makes the layout the trainers rely on:
 train-00000.arrow, ..., val-00000.arrow are Arrow IPC files with one row per document in one column
 `input_ids`; a row holds the document's token ids FOLLOWED BY the end-of-text id, so the column's flat
-values buffer is already the causal-LM token stream with separators. meta.json says how it was all made.
+values buffer is already the causal-LM token stream with separators. meta.json says how it was all made;
+token_frequencies.npy holds how often each token id occurs in the train split (int64, one per id).
 """
 import argparse
 import hashlib
@@ -321,7 +322,7 @@ def write_shards(documents, tokenizer, out_dir, val_fraction, shard_tokens):
     return {"vocab_size": vocab_size, "token_dtype": np.dtype(token_dtype).name, "text_bytes": text_bytes,
             "splits": {split: {"files": w.files, "documents": w.documents, "tokens": w.tokens}
                        for split, w in writers.items()},
-            "token_counts": token_counts.tolist()}
+            "token_counts": token_counts}
 
 
 # ---- 4. main: options, up-to-date check, build in a temporary directory, rename into place ------------------
@@ -477,6 +478,10 @@ def main():
             tokenizer = train_tokenizer(train_documents, vocab_size, len(sources) if all_text_files else None)
             train_seconds = time.perf_counter() - start_time
             print(f"trained the tokenizer in {train_seconds:.1f} s")
+            trained_size = tokenizer.get_vocab_size(with_added_tokens=True)
+            if trained_size < vocab_size:  # BPE stops when no pair of tokens is left to merge in the corpus
+                print(f"note: the tokenizer has {trained_size:,} tokens, not the {vocab_size:,} asked for: every word "
+                      "of the train split is one token already (a larger vocabulary needs more text, or --tokenizer)")
         temp_dir.mkdir(parents=True)
         tokenizer.save(str(temp_dir / "tokenizer.json"))
         # only now, so the saved file keeps the usual behaviour: a document that merely contains the text
@@ -491,12 +496,15 @@ def main():
         if result["splits"]["train"]["documents"] == 0:  # a trainer could not take one step
             die(f"no text for the train split in {source} (empty files, or --val-fraction {val_fraction} holds out "
                 "everything) -> pass files with text, or a --val-fraction below 1")
+        # how often each token id occurs in the train split (the trainer's model.embedding_gpu_rows keeps the
+        # most frequent rows on the GPU): a file, since a JSON list of 500k numbers would bury meta.json
+        np.save(temp_dir / "token_frequencies.npy", result["token_counts"])
         meta = {"format_version": FORMAT_VERSION, "tokenizer_file": "tokenizer.json",
                 "vocab_size": result["vocab_size"], "special_tokens": special_token_ids(tokenizer),
                 "token_dtype": result["token_dtype"], "eot_appended": True, "splits": result["splits"],
                 "source": source, "fingerprint": input_fingerprint, "tokenizer_trained": tokenizer_file is None,
                 "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "bytes": result["text_bytes"],
-                "token_counts": result["token_counts"]}  # last: its vocab_size lines would hide what follows
+                "token_frequencies_file": "token_frequencies.npy"}
         (temp_dir / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")  # last: its presence = complete
         move_into_place(temp_dir, out)
     except OSError as error:  # an unreadable input, --out below a file, a full disk: nothing is kept

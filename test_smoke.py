@@ -1114,6 +1114,172 @@ dist.destroy_process_group()
         assert torch.allclose(exported(input_ids=ids).logits, torch.load(tmp_path / "logits.pt"), atol=1e-5)
 
 
+# ----------------------------------------------------------------------------- tiered embedding (train_ddp.py)
+
+# 8 GPU rows of the 384 (339 tokens padded); 2 ranks x 2 micro-batches of 4; grad_clip 1.0 clips these steps
+TIERED = [*TINY_MODEL, "model.tie_word_embeddings=false", "model.embedding_gpu_rows=8", "model.dropout=0.0",
+          "train.precision=fp32", "train.global_batch_size=16", "train.micro_batch_size=4", "train.max_steps=4",
+          "checkpoint.every=2", "train.eval_every=4", "train.eval_batches=1", "log.every=1", "optim.lr=1e-2",
+          "optim.warmup_steps=2", "log.sample_prompt="]
+
+
+def merged_embedding(model_pt):
+    """The input embedding a tiered checkpoint holds, its GPU and CPU rows put back in token id order."""
+    state = torch.load(model_pt, weights_only=True)
+    hot, extra = state["transformer.wte.hot_weight"], state["transformer.wte._extra_state"]
+    weight = torch.empty((len(hot) + len(extra["cold_weight"]), hot.shape[1]))
+    is_hot = torch.zeros(len(weight), dtype=torch.bool)
+    is_hot[extra["hot_ids"]] = True
+    weight[extra["hot_ids"]], weight[~is_hot] = hot, extra["cold_weight"]
+    return weight
+
+
+def untiered_reference(data_dir):
+    """The same training written plainly: one process, the global batch as one micro-batch, an ordinary
+    nn.Embedding, the other weights under torch's AdamW. The embedding is updated here by hand with the rules
+    the tiered one states: AdamW on every GPU row at every step; on a CPU row only at the steps whose batch
+    holds its id, with its own step count. Returns the losses and the final embedding."""
+    cfg = train_ddp.load_config([*TIERED, "train.micro_batch_size=16"], use_cuda=False)
+    optim, meta = cfg.optim, train_ddp.read_meta(data_dir)
+    data = train_ddp.ArrowTokens(data_dir, meta, "train", "causal", cfg.train.seq_len, meta["special_tokens"])
+    torch.manual_seed(cfg.train.seed)
+    model, _ = train_ddp.build_model(cfg, "causal", 384, meta["special_tokens"], torch.device("cpu"))
+    embedding = model.get_input_embeddings().weight
+    others = [p for p in model.parameters() if p is not embedding]
+    optimizer = torch.optim.AdamW([{"params": [p for p in others if p.dim() >= 2], "weight_decay": optim.weight_decay},
+                                   {"params": [p for p in others if p.dim() < 2], "weight_decay": 0.0}],
+                                  lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps)
+    is_hot = torch.zeros(384, dtype=torch.bool)
+    is_hot[train_ddp.hottest_token_ids(np.load(data_dir / "token_frequencies.npy"), 384, 8)] = True
+    exp_avg, exp_avg_sq, row_steps = torch.zeros_like(embedding), torch.zeros_like(embedding), torch.zeros(384)
+    losses = []
+    for step in range(cfg.train.max_steps):
+        (batch,), _, label_tokens = train_ddp.rank_batches(data, step * 16, cfg.train.seed, cfg, 1, 0, torch.device("cpu"))
+        model.zero_grad()
+        loss = train_ddp.token_loss_sum(model(input_ids=batch["input_ids"]).logits, batch["labels"]) / label_tokens
+        loss.backward()
+        losses.append(loss.item())
+        torch.nn.utils.clip_grad_norm_(model.parameters(), optim.grad_clip)
+        lr = optim.lr * train_ddp.lr_factor(step, cfg)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.step()
+        rows = is_hot.clone()
+        rows[batch["input_ids"].unique()] = True
+        with torch.no_grad():
+            grad, row_steps[rows] = embedding.grad[rows], row_steps[rows] + 1
+            exp_avg[rows] = optim.beta1 * exp_avg[rows] + (1 - optim.beta1) * grad
+            exp_avg_sq[rows] = optim.beta2 * exp_avg_sq[rows] + (1 - optim.beta2) * grad * grad
+            corrected_avg = exp_avg[rows] / (1 - optim.beta1 ** row_steps[rows])[:, None]
+            corrected_avg_sq = exp_avg_sq[rows] / (1 - optim.beta2 ** row_steps[rows])[:, None]
+            embedding[rows] = (embedding[rows] * (1 - lr * optim.weight_decay)
+                               - lr * corrected_avg / (corrected_avg_sq.sqrt() + optim.eps))
+    return losses, embedding.detach()
+
+
+@pytest.fixture(scope="module")
+def tiered_run(data_dir, tmp_path_factory):
+    """4 steps on 2 ranks with 8 of 384 embedding rows on the "GPU" (here the CPU too), checkpoints at 2 and 4."""
+    out = tmp_path_factory.mktemp("tiered")
+    result = torchrun(2, "train_ddp.py", f"data.dir={data_dir}", *TIERED, f"out_dir={out}", f"checkpoint.dir={out}/ckpt")
+    return out, result
+
+
+def test_tiered_embedding_trains_as_the_untiered_reference_and_exports_one_table(tiered_run, data_dir):
+    """2 ranks x 2 micro-batches: each rank copies its own cold rows, their gradients are gathered from both
+    ranks and coalesced, clipping counts them; the result is the plain computation's, to float rounding."""
+    out, result = tiered_run
+    assert "input embedding tiered: the rows of the 8 most frequent tokens" in result.stdout
+    reference_losses, reference_embedding = untiered_reference(data_dir)
+    tiered_losses = [t["loss"] for t in read_metrics(out, "train")]
+    assert tiered_losses == pytest.approx(reference_losses, rel=1e-6)
+    assert read_metrics(out, "train")[0]["grad_norm"] > 1.0  # clipping was on, with the CPU rows' gradient in the norm
+    embedding = merged_embedding(out / "ckpt" / "step_000004" / "model.pt")
+    assert torch.allclose(embedding, reference_embedding, rtol=0, atol=1e-6), (embedding - reference_embedding).abs().max()
+    from transformers import AutoModelForCausalLM
+    exported = AutoModelForCausalLM.from_pretrained(out / "final")
+    assert torch.equal(exported.get_input_embeddings().weight.detach(), embedding)
+    assert exported.get_output_embeddings().weight is not exported.get_input_embeddings().weight
+
+
+def test_tiered_embedding_resumes_bit_for_bit(data_dir, tmp_path):
+    """One process: 4 steps straight, and 2 steps + a resume for 2 more, give the same losses and the same
+    checkpoint, CPU rows, their lazy AdamW moments and step counts included."""
+    args = [f"data.dir={data_dir}", *TIERED, "export=false"]
+    assert train_in_process(*args, f"out_dir={tmp_path}/a", f"checkpoint.dir={tmp_path}/a/ckpt")[0] is None
+    shutil.copytree(tmp_path / "a" / "ckpt" / "step_000002", tmp_path / "b" / "ckpt" / "step_000002")
+    assert train_in_process(*args, f"out_dir={tmp_path}/b", f"checkpoint.dir={tmp_path}/b/ckpt")[0] is None
+    straight, resumed = losses(tmp_path / "a"), losses(tmp_path / "b")
+    assert sorted(resumed) == [3, 4] and all(resumed[step] == straight[step] for step in resumed)
+    final_a = torch.load(tmp_path / "a" / "ckpt" / "step_000004" / "model.pt", weights_only=True)
+    final_b = torch.load(tmp_path / "b" / "ckpt" / "step_000004" / "model.pt", weights_only=True)
+    extra_a, extra_b = final_a.pop("transformer.wte._extra_state"), final_b.pop("transformer.wte._extra_state")
+    assert extra_a["cold_steps"].max() == 4 and extra_a["cold_exp_avg"].abs().sum() > 0
+    assert all(torch.equal(extra_a[key], extra_b[key]) for key in extra_a)
+    assert all(torch.equal(final_a[name], final_b[name]) for name in final_a)
+
+
+def test_tier_map_puts_the_most_frequent_ids_on_the_gpu_with_ties_to_the_lower_id():
+    # counts of ids 0..5; ids 6 and 7 pad the vocabulary (no count). Ties: ids 1, 2, 4 (9) and 0, 3 (5).
+    frequencies = np.array([5, 9, 9, 5, 9, 0])
+    assert train_ddp.hottest_token_ids(frequencies, 8, 2).tolist() == [1, 2]
+    assert train_ddp.hottest_token_ids(frequencies, 8, 4).tolist() == [1, 2, 4, 0]
+    assert train_ddp.hottest_token_ids(frequencies, 8, 7).tolist() == [1, 2, 4, 0, 3, 5, 6]
+    torch.manual_seed(0)
+    plain = torch.nn.Embedding(8, 3, padding_idx=6)
+    tiered = train_ddp.TieredEmbedding(plain, train_ddp.hottest_token_ids(frequencies, 8, 4), torch.device("cpu"))
+    assert tiered.slot_of_id.tolist() == [3, 0, 1, 4, 2, 5, 6, 7]  # the 4th hot id (0) and the first cold id (3)
+    assert torch.equal(tiered.hot_weight.detach(), plain.weight.detach()[[1, 2, 4, 0]])
+    assert torch.equal(tiered.cold_weight, plain.weight.detach()[[3, 5, 6, 7]])
+    ids = torch.tensor([[0, 3, 4, 6, 3], [7, 1, 6, 5, 0]])
+    assert torch.equal(tiered(ids), plain(ids))
+    tiered(ids).pow(2).sum().backward()
+    plain(ids).pow(2).sum().backward()
+    (touched,) = tiered.reduce_gradients(world_size=1, device=torch.device("cpu"))
+    assert torch.equal(tiered.cold_ids[tiered.pending[0]], torch.tensor([3, 5, 6, 7]))  # the cold ids in the batch
+    assert torch.allclose(touched.grad, plain.weight.grad[[3, 5, 6, 7]])  # the padding row 6: no gradient in both
+    assert torch.allclose(tiered.hot_weight.grad, plain.weight.grad[[1, 2, 4, 0]])
+    assert torch.equal(tiered.merged().weight, plain.weight.detach())
+
+
+def test_tiered_embedding_is_refused_where_it_cannot_work(data_dir, tmp_path):
+    args = [f"data.dir={data_dir}", *TIERED, f"out_dir={tmp_path}", f"checkpoint.dir={tmp_path}/ckpt"]
+    error, _ = train_in_process(*args, "model.tie_word_embeddings=auto")  # gpt2 ties its output layer
+    assert "ties it to the input embedding" in error and "-> set model.tie_word_embeddings=false" in error
+    old_data = tmp_path / "old_data"
+    shutil.copytree(data_dir, old_data)
+    (old_data / "token_frequencies.npy").unlink()  # as an older preprocess.py left it
+    error, _ = train_in_process(*args, f"data.dir={old_data}")
+    assert "needs the token frequencies" in error and f"preprocess.py --out {old_data} --force" in error
+    error, _ = train_in_process(*args, "model.embedding_gpu_rows=384")
+    assert "is not below the embedding's 384 rows" in error
+    import train_fsdp
+    with pytest.raises(train_fsdp.UserError, match="FSDP shards .* fsdp.cpu_offload"):
+        with monkeypatched_argv(["train_fsdp.py", "--check", "model.embedding_gpu_rows=8"]):
+            train_fsdp.main()
+
+
+def test_untying_a_pretrained_tied_model_starts_its_output_layer_as_a_copy(tmp_path):
+    """A tied checkpoint holds one table; loaded untied, transformers would leave the output layer random."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    config = AutoConfig.for_model("gpt2", vocab_size=128, n_embd=32, n_layer=1, n_head=2, n_positions=64)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "tied")
+    cfg = train_ddp.load_config([f"model.pretrained={tmp_path / 'tied'}", "model.tie_word_embeddings=false",
+                                 "train.seq_len=64"], use_cuda=False)
+    model, _ = train_ddp.build_model(cfg, "causal", 128, dict(zip(SPECIAL_ROLES, range(5))), torch.device("cpu"))
+    embedding, output = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    assert output is not embedding and torch.equal(output, embedding)
+
+
+@contextlib.contextmanager
+def monkeypatched_argv(argv):
+    saved, sys.argv = sys.argv, argv
+    try:
+        yield
+    finally:
+        sys.argv = saved
+
+
 # ----------------------------------------------------------------------------- launch.sh
 
 def test_launch_script_is_clean_under_shellcheck():
@@ -1455,7 +1621,8 @@ def test_round_trip_decodes_every_row_to_its_document_and_meta_matches(tmp_path,
     eot = meta["special_tokens"]["eot"]
     assert meta["special_tokens"] == dict(zip(SPECIAL_ROLES, range(5)))
     assert meta["tokenizer_trained"] and meta["eot_appended"] and meta["token_dtype"] == "uint16"
-    assert meta["vocab_size"] == tokenizer.get_vocab_size(with_added_tokens=True) == len(meta["token_counts"])
+    frequencies = np.load(out / meta["token_frequencies_file"])
+    assert meta["vocab_size"] == tokenizer.get_vocab_size(with_added_tokens=True) == len(frequencies)
     for split in ("train", "val"):
         expected = [text for key, text in documents if in_val(key, 0.25) == (split == "val")]
         rows = read_rows(out, split)
@@ -1464,7 +1631,9 @@ def test_round_trip_decodes_every_row_to_its_document_and_meta_matches(tmp_path,
         for row, text in zip(rows, expected):
             assert row[-1] == eot and eot not in row[:-1]  # the literal "<|endoftext|>" stays text
             assert tokenizer.decode(row[:-1], skip_special_tokens=False) == text
-    assert sum(meta["token_counts"]) == meta["splits"]["train"]["tokens"]
+    assert frequencies.sum() == meta["splits"]["train"]["tokens"]
+    train_ids = np.concatenate([np.array(row) for row in read_rows(out, "train")])
+    assert np.array_equal(frequencies, np.bincount(train_ids, minlength=len(frequencies)))
     utf8_bytes = sum(len(text.encode()) for key, text in documents if key != "latin1.txt")
     assert meta["bytes"] == utf8_bytes + len("café crème")  # the latin-1 file counts its bytes as read
 

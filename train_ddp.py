@@ -11,6 +11,8 @@ overlapped all-reduce, periodic validation, logging, export). The helpers follow
 same section numbers. Read section 7 first if you want the training step, `global_batch_plan` for the data split.
 `InlineReducer` (dist.reducer=inline) is what the DDP wrapper does inside, written out.
 Lines marked `# MLM` serve only masked-LM models (BERT): delete them for a causal-only trainer.
+Lines marked `# tiered` serve only model.embedding_gpu_rows (TieredEmbedding: the rare rows of a large
+vocabulary's input embedding in CPU memory).
 """
 
 import contextlib
@@ -156,6 +158,8 @@ def main():
     padded_vocab_size = math.ceil(meta["vocab_size"] / 64) * 64  # as nanoGPT does: matmul-friendly sizes
     torch.manual_seed(cfg.train.seed)  # the same initial weights on every rank
     raw_model, attention = build_model(cfg, task, padded_vocab_size, special, device)
+    # tiered: split before .to(device), so that the whole table never occupies the GPU
+    tiered = tier_embedding(raw_model, data_dir, meta, cfg, precision, device) if cfg.model.embedding_gpu_rows else None
     raw_model.to(device)
     flops_of = model_flops_counter(raw_model, task, attention)  # FLOPs of the micro-batches of a step, for MFU
     log0(f"model {raw_model.config.model_type} ({task}), {sum(p.numel() for p in raw_model.parameters()) / 1e6:.1f}M "
@@ -252,6 +256,7 @@ def main():
     # where the time goes, read at each log line: see SpanTimer and the record below
     data_wait, sync_wait = SpanTimer(device), SpanTimer(device)
     interval_start, paused_s, bad_steps_in_a_row = time.perf_counter(), 0.0, 0
+    embedding_reported = False
     with data_wait:
         next_batches = rank_batches(train_data, samples_seen, cfg.train.seed, cfg, world_size, rank, device)
     while step < cfg.train.max_steps:
@@ -270,6 +275,8 @@ def main():
         step_loss_sum = torch.zeros((), device=device, dtype=torch.float64)
         for index, batch in enumerate(micro_batches):
             is_last = index == len(micro_batches) - 1
+            if tiered:  # tiered: the CPU rows of this micro-batch start their copy while the GPU ends the last one
+                tiered.prefetch(batch["host_input_ids"])
             # no_sync: accumulate locally; only the last backward all-reduces, overlapped with compute
             if reducer:
                 reducer.reduce_in_backward = is_last
@@ -291,7 +298,10 @@ def main():
         if reducer:
             reducer.finish()  # every bucket's sum is in, averaged: before anything reads a gradient
         scaler.unscale_(optimizer)  # clip the true gradient, not the fp16-scaled one
-        grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.optim.grad_clip or float("inf"))
+        # tiered: the CPU rows' gradient, from every rank, counted into the one global norm (both wait for the GPU)
+        cold_rows = tiered.reduce_gradients(world_size, device) if tiered else []
+        grad_norm = torch.nn.utils.clip_grad_norm_([*raw_model.parameters(), *cold_rows],
+                                                   cfg.optim.grad_clip or float("inf"))
         # The step's one wait for the GPU, on purpose: every rank learns whether the gradient is finite and
         # whether any rank was asked to stop, so all ranks take the same decision at the same step (a NaN on
         # one rank reaches all through the gradient reduction; a signal may reach one rank only).
@@ -311,6 +321,13 @@ def main():
         else:
             bad_steps_in_a_row = 0
             scaler.step(optimizer)  # fp16: also skips steps whose scaled gradients overflowed
+            if tiered:  # tiered: lazy AdamW on the CPU rows this step touched, at this step's learning rate
+                tiered.step(optimizer.param_groups[0]["lr"], cfg.optim)
+            if not embedding_reported:  # once, while its gradients and optimizer state exist
+                held = embedding_memory(raw_model, optimizer)
+                log0(f"step {step + 1} | input embedding (weights, gradients, optimizer state): "
+                     + ", ".join(f"{mib:,.1f} MiB on {kind}" for kind, mib in sorted(held.items())))
+                embedding_reported = True
             interval_loss_sum += step_loss_sum
             interval_label_tokens += step_label_tokens
         scaler.update()
@@ -405,6 +422,7 @@ def main():
 CHOICES = {
     "model.task": ["auto", "causal", "mlm"],
     "model.attention": ["auto", "flash_attention_2", "sdpa", "eager"],
+    "model.tie_word_embeddings": ["auto", "true", "false"],
     "train.precision": ["auto", "bf16", "fp16", "fp32"],
     "train.compile": ["auto", "true", "false"],
     "dist.backend": ["auto", "nccl", "gloo"],
@@ -419,6 +437,7 @@ RANGES = {
     "model.n_head": (lambda v: v >= 1, "of at least 1"),
     "model.n_embd": (lambda v: v >= 1, "of at least 1"),
     "model.dropout": (lambda v: 0 <= v < 1, "from 0 up to (not including) 1"),
+    "model.embedding_gpu_rows": (lambda v: v >= 0, "of at least 0 (0 = the whole input embedding on the GPU)"),
     "train.seq_len": (lambda v: v >= 3, "of at least 3 (a masked LM sample is [CLS] token [SEP])"),
     "train.global_batch_size": (lambda v: v >= 1, "of at least 1"),
     "train.micro_batch_size": (lambda v: v >= 1, "of at least 1"),
@@ -789,6 +808,7 @@ def make_micro_batch(split_data, sample_ids, epochs, cfg, special, device):
     if device.type == "cuda":  # a copy from pageable memory makes the host wait for the GPU; from pinned it does not
         batch = {key: value.pin_memory().to(device, non_blocking=True) if value is not None else None
                  for key, value in batch.items()}
+    batch["host_input_ids"] = input_ids  # tiered: the host picks the CPU rows to copy without asking the GPU
     return batch
 
 
@@ -843,6 +863,9 @@ def build_model(cfg, task, padded_vocab_size, special, device):
     for name, value in config.to_dict().items():
         if ("dropout" in name or "pdrop" in name) and isinstance(value, float):
             setattr(config, name, cfg.model.dropout)
+    tied_by_the_model = bool(getattr(config, "tie_word_embeddings", False))
+    if str(cfg.model.tie_word_embeddings).lower() != "auto":  # auto: the model's own (gpt2, bert tie; llama does not)
+        config.tie_word_embeddings = str(cfg.model.tie_word_embeddings).lower() == "true"
     config.use_cache = False  # a key/value cache serves generation only; training would build one every forward
     model_class = AutoModelForMaskedLM if task == "mlm" else AutoModelForCausalLM
     if not cfg.model.pretrained:
@@ -853,6 +876,11 @@ def build_model(cfg, task, padded_vocab_size, special, device):
     except (OSError, ValueError) as error:
         die(f"cannot load model.pretrained={cfg.model.pretrained} ({first_line(error)}) "
             "-> give a directory written by save_pretrained")
+    if tied_by_the_model and not config.tie_word_embeddings:
+        # a tied checkpoint holds one table: transformers leaves the untied output layer random (and warns);
+        # it starts as the copy it was while tied
+        model.get_output_embeddings().weight.data.copy_(model.get_input_embeddings().weight.data)
+        log0("untied the output layer from the input embedding (model.tie_word_embeddings=false): it starts as a copy")
     if model.get_input_embeddings().num_embeddings < padded_vocab_size:
         model.resize_token_embeddings(padded_vocab_size)  # the tokenizer has more tokens than the model
     return model, attention
@@ -931,10 +959,268 @@ def count_matmul_params(model):
     """Parameters that are multiplied with every token: all but embedding lookups, plus the output
     layer when it shares its weight with the input embedding (it is a matmul there)."""
     total = sum(p.numel() for p in model.parameters())
-    embedding_weights = {id(m.weight): m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    embedding_weights = {id(p): p.numel() for m in model.modules()
+                         if isinstance(m, (torch.nn.Embedding, TieredEmbedding)) for p in m.parameters(recurse=False)}
     output = model.get_output_embeddings()
     tied_output = output.weight.numel() if output is not None and id(output.weight) in embedding_weights else 0
     return total - sum(embedding_weights.values()) + tied_output
+
+
+def hottest_token_ids(frequencies, rows, count):  # tiered
+    """The `count` most frequent of `rows` token ids, most frequent first. Equal counts go to the lower id (a
+    stable sort), so that every rank and every run picks the same rows; ids past the frequency table (the rows
+    that pad the vocabulary to a multiple of 64) count 0."""
+    counts = np.zeros(rows, np.int64)
+    counts[:min(rows, len(frequencies))] = frequencies[:rows]
+    return torch.from_numpy(np.argsort(-counts, kind="stable")[:count].copy())
+
+
+def tier_embedding(raw_model, data_dir, meta, cfg, precision, device):  # tiered
+    """Put a TieredEmbedding in place of the model's input embedding, its GPU rows those of the
+    model.embedding_gpu_rows most frequent tokens of the train split (counted by preprocess.py)."""
+    embedding, output = raw_model.get_input_embeddings(), raw_model.get_output_embeddings()
+    if output is not None and output.weight is embedding.weight:
+        die("model.embedding_gpu_rows needs an output layer of its own, and this model ties it to the input embedding: "
+            "the output layer multiplies every row at every step, so no row could stay in CPU memory -> set "
+            "model.tie_word_embeddings=false (the output layer then has weights of its own: vocabulary x width more)")
+    if precision == "fp16":
+        die("model.embedding_gpu_rows does not train in fp16: the grad scaler would not see the gradient of the rows "
+            "in CPU memory -> use train.precision=bf16 or fp32, or model.embedding_gpu_rows=0")
+    if not isinstance(embedding, torch.nn.Embedding):
+        die(f"model.embedding_gpu_rows splits a torch.nn.Embedding; this model's input embedding is a "
+            f"{type(embedding).__name__} -> set model.embedding_gpu_rows=0")
+    if cfg.model.embedding_gpu_rows >= embedding.num_embeddings:
+        die(f"model.embedding_gpu_rows={cfg.model.embedding_gpu_rows} is not below the embedding's "
+            f"{embedding.num_embeddings} rows, so no row would stay in CPU memory -> set it lower, or 0 for one table")
+    frequency_file = data_dir / meta.get("token_frequencies_file", "token_frequencies.npy")
+    try:
+        frequencies = np.load(frequency_file)
+    except (OSError, ValueError) as error:
+        die(f"model.embedding_gpu_rows needs the token frequencies of the data, and {frequency_file} cannot be read "
+            f"({first_line(error)}; data prepared by an older preprocess.py has none) -> rebuild the data: "
+            f"python preprocess.py --out {data_dir} --force")
+    if frequencies.shape != (meta["vocab_size"],):
+        die(f"{frequency_file} holds {frequencies.shape[0] if frequencies.ndim else 0} counts for a vocabulary of "
+            f"{meta['vocab_size']} -> rebuild the data: python preprocess.py --out {data_dir} --force")
+    hot_ids = hottest_token_ids(frequencies, embedding.num_embeddings, cfg.model.embedding_gpu_rows)
+    tiered = TieredEmbedding(embedding, hot_ids, device)
+    raw_model.set_input_embeddings(tiered)
+    covered = frequencies[hot_ids[hot_ids < len(frequencies)].numpy()].sum() / max(1, frequencies.sum())
+    log0(f"input embedding tiered: the rows of the {len(hot_ids):,} most frequent tokens ({100 * covered:.1f}% of the "
+         f"train tokens) on {device.type}, the other {len(tiered.cold_ids):,} in CPU memory (not counted below)")
+    return tiered
+
+
+class TieredEmbedding(torch.nn.Module):  # tiered
+    """An input embedding split by token frequency (model.embedding_gpu_rows; README: tiered embedding).
+
+    Hot rows (the most frequent ids) form one GPU parameter, `hot_weight`: DDP reduces its gradient and the
+    trainer's AdamW updates it, as any weight. Cold rows (all others) stay in CPU memory. Before each forward
+    pass the host gathers the cold rows of that micro-batch into pinned memory and copies them to the GPU on a
+    side stream (`prefetch`); after the backward pass their gradients come back to the CPU, summed over the
+    micro-batches and ranks (`reduce_gradients`), and lazy AdamW updates the touched rows only, on the CPU
+    (`step`). The tier map: token id i is row slot_of_id[i] of hot_weight if that is below hot_rows, else row
+    slot_of_id[i] - hot_rows of cold_weight.
+    """
+
+    def __init__(self, embedding, hot_ids, device):
+        super().__init__()
+        weight = embedding.weight.detach().cpu()
+        self.width, self.padding_idx, self.device = weight.shape[1], embedding.padding_idx, device
+        self.set_tiers(hot_ids, weight.shape[0])
+        self.hot_weight = torch.nn.Parameter(weight[self.hot_ids].clone())
+        # Plain attributes, not parameters or buffers: model.to(device) leaves them in CPU memory, DDP neither
+        # reduces nor broadcasts them, and the state dict gets them from get_extra_state. Ordinary memory, not
+        # pinned: a copy to the GPU reads the pinned buffer the rows are gathered into, never the table.
+        self.cold_weight = weight[self.cold_ids].clone()
+        self.cold_exp_avg = torch.zeros_like(self.cold_weight)
+        self.cold_exp_avg_sq = torch.zeros_like(self.cold_weight)
+        self.cold_steps = torch.zeros(len(self.cold_ids), dtype=torch.long)  # lazy AdamW: each row counts its own
+        # one side stream, made once: every copy goes on it, in order, beside the compute on the main stream
+        self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.staged = []  # prefetched micro-batches, in the order the forward passes use them
+        self.touched = []  # (cold slots, their rows on the device) of each forward pass since reduce_gradients
+        self.pending = None  # (cold rows, their values with .grad) from reduce_gradients to step
+        self.buffers = {}  # CPU work space kept between steps, see buffer()
+
+    def set_tiers(self, hot_ids, vocab_rows):
+        is_hot = torch.zeros(vocab_rows, dtype=torch.bool)
+        is_hot[hot_ids] = True
+        self.hot_ids, self.cold_ids, self.hot_rows = hot_ids, (~is_hot).nonzero().flatten(), len(hot_ids)
+        self.slot_of_id = torch.empty(vocab_rows, dtype=torch.long)
+        self.slot_of_id[self.hot_ids] = torch.arange(self.hot_rows)
+        self.slot_of_id[self.cold_ids] = torch.arange(self.hot_rows, vocab_rows)
+
+    def prefetch(self, host_input_ids):
+        """Start copying the cold rows of a micro-batch (its ids still in CPU memory) to the GPU, for the next
+        forward pass; the copy runs while the GPU still computes the micro-batch before."""
+        self.staged.append(self.stage(host_input_ids))
+
+    def stage(self, host_input_ids):
+        slots = self.slot_of_id[host_input_ids]
+        is_cold = slots >= self.hot_rows
+        cold_slots, position = torch.unique(slots[is_cold], return_inverse=True)  # each cold row once, sorted
+        table_index = slots.clone()  # per position: its row in cat([hot_weight, the gathered cold rows])
+        table_index[is_cold] = self.hot_rows + position
+        rows = torch.empty((len(cold_slots), self.width), pin_memory=self.copy_stream is not None)
+        torch.index_select(self.cold_weight, 0, cold_slots - self.hot_rows, out=rows)
+        padding_index = None  # nn.Embedding(padding_idx=) sends no gradient to that row: the same here
+        if self.padding_idx is not None:
+            pad_slot = int(self.slot_of_id[self.padding_idx])
+            found = int(torch.searchsorted(cold_slots, pad_slot))
+            if pad_slot < self.hot_rows:
+                padding_index = pad_slot
+            elif found < len(cold_slots) and int(cold_slots[found]) == pad_slot:
+                padding_index = self.hot_rows + found
+        ready = None
+        if self.copy_stream is not None:
+            # The pinned buffers are freed when this returns, their copies maybe still running: the caching host
+            # allocator records an event with each copy and reuses a block only after it (PyTorch's
+            # aten/src/ATen/cuda/CachingHostAllocator.h), so no buffer in flight is overwritten.
+            table_index = table_index.pin_memory()
+            with torch.cuda.stream(self.copy_stream):
+                table_index = table_index.to(self.device, non_blocking=True)
+                rows = rows.to(self.device, non_blocking=True)
+                ready = torch.cuda.Event()
+                ready.record()
+        return SimpleNamespace(shape=host_input_ids.shape, table_index=table_index, rows=rows,
+                               cold_slots=cold_slots, padding_index=padding_index, ready=ready)
+
+    @torch.compiler.disable  # host work (a list, stream events) Dynamo cannot trace: the compiled graph breaks here
+    def forward(self, input_ids):
+        # validation and generate() call the model without a prefetch: staged here, waiting for the GPU once
+        staged = self.staged.pop(0) if self.staged else self.stage(input_ids.cpu())
+        if staged.shape != input_ids.shape:
+            raise RuntimeError(f"TieredEmbedding: prefetched a batch of {tuple(staged.shape)}, "
+                               f"got one of {tuple(input_ids.shape)}")
+        if staged.ready is not None:
+            compute_stream = torch.cuda.current_stream(self.device)
+            compute_stream.wait_event(staged.ready)  # nothing below runs before the copy has landed; the host goes on
+            # memory allocated on the side stream and read here: without record_stream the allocator could give
+            # it to the next copy as soon as it is freed, while kernels queued here still read it
+            for tensor in (staged.table_index, staged.rows):
+                if tensor.numel():  # a batch without CPU rows copies an empty tensor, which has no memory
+                    tensor.record_stream(compute_stream)
+        rows = staged.rows
+        if torch.is_grad_enabled():
+            rows.requires_grad_()  # a leaf: the backward pass leaves the gradient of these rows in rows.grad
+            self.touched.append((staged.cold_slots, rows))
+        return F.embedding(staged.table_index, torch.cat([self.hot_weight, rows]), padding_idx=staged.padding_index)
+
+    def buffer(self, name, rows):
+        """A (rows, width) CPU tensor, a view of one kept from step to step: a new tensor of this size at every
+        step costs its page faults every time (measured on the 2-core test machine: 21 ms to first touch 13,600
+        rows x 768, 4 ms to write them again). Pinned on a GPU machine, where a copy from the GPU lands in it."""
+        if name not in self.buffers or len(self.buffers[name]) < rows:
+            self.buffers[name] = torch.empty((rows + rows // 4, self.width), pin_memory=self.copy_stream is not None)
+        return self.buffers[name][:rows]
+
+    def reduce_gradients(self, world_size, device):
+        """The gradient of the cold rows the step touched, summed over micro-batches and ranks and divided by
+        world_size, as DDP averages the hot rows' gradient. Returns [the touched rows' values, a CPU tensor whose
+        .grad is that gradient], so that clip_grad_norm_ counts it into the one global norm. Every rank gets the
+        same numbers: each sums the same gathered values in the same order, on the CPU."""
+        slots = torch.cat([cold_slots for cold_slots, _ in self.touched])
+        grads = torch.cat([rows.grad if rows.grad is not None else torch.zeros_like(rows) for _, rows in self.touched])
+        self.touched = []
+        padding_slot = len(self.slot_of_id)  # above every real slot: torch.unique sorts it last
+        if world_size > 1:  # ranks touch different rows: every rank's (slot, gradient) pairs go to every rank
+            slots, grads = gather_from_ranks(slots.to(device), grads.detach(), world_size, padding_slot)
+        slots, grads = slots.cpu(), self.buffer("grads", len(grads)).copy_(grads)  # waits for the backward pass
+        unique_slots, position = torch.unique(slots, return_inverse=True)
+        summed = self.buffer("summed", len(unique_slots)).zero_().index_add_(0, position, grads).div_(world_size)
+        real = len(unique_slots) - int(unique_slots[-1] == padding_slot) if len(unique_slots) else 0
+        rows = unique_slots[:real] - self.hot_rows
+        touched = torch.index_select(self.cold_weight, 0, rows, out=self.buffer("touched", real))
+        touched.grad = summed[:real]
+        self.pending = rows, touched
+        return [touched]
+
+    @torch.no_grad()
+    def step(self, lr, optim):
+        """Lazy AdamW on the CPU: torch.optim.AdamW's formula (decoupled weight decay, both moments, bias
+        correction) on the cold rows this step touched, each row a parameter of its own with its own step
+        count. A row touched at every step is updated as AdamW updates a dense table; an untouched row keeps its
+        weight and moments, where dense AdamW would decay both at every step, which would touch every row."""
+        rows, weight = self.pending
+        grad, self.pending = weight.grad, None
+        steps = self.cold_steps[rows] + 1
+        self.cold_steps[rows] = steps
+        exp_avg = torch.index_select(self.cold_exp_avg, 0, rows, out=self.buffer("exp_avg", len(rows)))
+        exp_avg_sq = torch.index_select(self.cold_exp_avg_sq, 0, rows, out=self.buffer("exp_avg_sq", len(rows)))
+        weight.mul_(1 - lr * optim.weight_decay)
+        exp_avg.lerp_(grad, 1 - optim.beta1)
+        exp_avg_sq.mul_(optim.beta2).addcmul_(grad, grad, value=1 - optim.beta2)
+        step_size = (lr / (1 - optim.beta1 ** steps.double())).float()[:, None]
+        bias_correction2_sqrt = (1 - optim.beta2 ** steps.double()).sqrt().float()[:, None]
+        denominator = torch.sqrt(exp_avg_sq, out=self.buffer("denominator", len(rows)))
+        denominator.div_(bias_correction2_sqrt).add_(optim.eps)
+        weight.sub_(torch.div(exp_avg, denominator, out=denominator).mul_(step_size))  # AdamW: - step_size * m / denom
+        self.cold_weight.index_copy_(0, rows, weight)
+        self.cold_exp_avg.index_copy_(0, rows, exp_avg)
+        self.cold_exp_avg_sq.index_copy_(0, rows, exp_avg_sq)
+
+    def get_extra_state(self):
+        """The cold rows, their lazy AdamW state and the tier map go into the model's state dict (model.pt)."""
+        return {"hot_ids": self.hot_ids, "cold_weight": self.cold_weight, "cold_exp_avg": self.cold_exp_avg,
+                "cold_exp_avg_sq": self.cold_exp_avg_sq, "cold_steps": self.cold_steps}
+
+    def set_extra_state(self, state):
+        if state["cold_weight"].shape != self.cold_weight.shape:
+            raise ValueError(f"its CPU embedding rows are {tuple(state['cold_weight'].shape)}, this model's "
+                             f"{tuple(self.cold_weight.shape)}")
+        # the checkpoint's tier map, not one from today's frequency file: hot_weight holds the rows of these ids
+        self.set_tiers(state["hot_ids"], len(self.slot_of_id))
+        self.cold_weight, self.cold_exp_avg = state["cold_weight"], state["cold_exp_avg"]
+        self.cold_exp_avg_sq, self.cold_steps = state["cold_exp_avg_sq"], state["cold_steps"]
+
+    def merged(self):
+        """One nn.Embedding in token id order, as transformers' save_pretrained and from_pretrained expect."""
+        weight = torch.empty((len(self.slot_of_id), self.width))
+        weight[self.hot_ids] = self.hot_weight.detach().cpu()
+        weight[self.cold_ids] = self.cold_weight
+        return torch.nn.Embedding.from_pretrained(weight, freeze=False, padding_idx=self.padding_idx)
+
+
+def gather_from_ranks(slots, grads, world_size, padding_slot):  # tiered
+    """Every rank's (slot, gradient row) pairs on every rank, in rank order. all_gather needs one size: each
+    rank pads to the longest (padding_slot, zero gradient) first, so a step sends world_size x that many rows to
+    every rank."""
+    longest = torch.tensor([len(slots)], device=slots.device)
+    dist.all_reduce(longest, op=dist.ReduceOp.MAX)
+    longest = int(longest)
+    padded_slots = torch.full((longest,), padding_slot, dtype=torch.long, device=slots.device)
+    padded_slots[:len(slots)] = slots
+    padded_grads = torch.zeros((longest, grads.shape[1]), dtype=grads.dtype, device=grads.device)
+    padded_grads[:len(grads)] = grads
+    all_slots = [torch.empty_like(padded_slots) for _ in range(world_size)]
+    all_grads = [torch.empty_like(padded_grads) for _ in range(world_size)]
+    dist.all_gather(all_slots, padded_slots)
+    dist.all_gather(all_grads, padded_grads)
+    return torch.cat(all_slots), torch.cat(all_grads)
+
+
+def embedding_memory(raw_model, optimizer):
+    """MiB the input embedding holds, per device type: weights, gradients and optimizer state (tiered: also the
+    CPU rows and their lazy AdamW state), summed from the tensors themselves."""
+    held = {}
+
+    def count(tensor):
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # FSDP: this rank's shard
+        held[local.device.type] = held.get(local.device.type, 0) + local.numel() * local.element_size() / 2**20
+
+    embedding = raw_model.get_input_embeddings()
+    for parameter in embedding.parameters():
+        count(parameter)
+        if parameter.grad is not None:
+            count(parameter.grad)
+        for value in optimizer.state.get(parameter, {}).values():
+            if torch.is_tensor(value):
+                count(value)
+    if isinstance(embedding, TieredEmbedding):  # tiered
+        for tensor in (embedding.cold_weight, embedding.cold_exp_avg, embedding.cold_exp_avg_sq, embedding.cold_steps):
+            count(tensor)
+    return held
 
 
 # ----------------------------------------------------------------------------- 5. optimizer (helpers)
@@ -951,6 +1237,8 @@ def lr_factor(step, cfg):
 # ----------------------------------------------------------------------------- 6. checkpoint (helpers)
 
 CHECKPOINT_FILES = ["model.pt", "optimizer.pt", "train_state.pt", "checksums.json"]
+# config keys that checkpoints written before them lack, with the value those runs had
+SINCE_CHECKPOINTS_HAD_THEM = {"model.tie_word_embeddings": "auto", "model.embedding_gpu_rows": 0}
 
 
 def is_complete(path):
@@ -1107,10 +1395,12 @@ def load_train_state(path, scheduler, scaler, cfg):
     try:
         train_state = torch.load(path / "train_state.pt", weights_only=True)
         saved_config, this_config = train_state["config"], config_dict(cfg)
-        for key in ["model.type", "model.task", "model.n_layer", "model.n_head", "model.n_embd", "model.pretrained"]:
-            if saved_config.get(key) != this_config[key]:
-                die(f"checkpoint {path} was trained with {key}={saved_config.get(key)}, this run has "
-                    f"{key}={this_config[key]} -> pass {key}={saved_config.get(key)}, or use another checkpoint.dir")
+        for key in ["model.type", "model.task", "model.n_layer", "model.n_head", "model.n_embd", "model.pretrained",
+                    "model.tie_word_embeddings", "model.embedding_gpu_rows"]:
+            saved = saved_config.get(key, SINCE_CHECKPOINTS_HAD_THEM.get(key))
+            if saved != this_config[key]:
+                die(f"checkpoint {path} was trained with {key}={saved}, this run has "
+                    f"{key}={this_config[key]} -> pass {key}={saved}, or use another checkpoint.dir")
         scheduler.load_state_dict(train_state["scheduler"])
         scaler.load_state_dict(train_state["scaler"])
     except (OSError, RuntimeError, KeyError, ValueError, EOFError, TypeError, pickle.UnpicklingError) as error:
@@ -1576,6 +1866,8 @@ def export_final(raw_model, data_dir, meta, final_dir, task, cfg, device):
         tokenizer_object=tokenizer_core, eos_token=names["eot"], bos_token=names["eot"], pad_token=names["pad"],
         mask_token=names["mask"], cls_token=names["cls"], sep_token=names["sep"],
     )
+    if isinstance(raw_model.get_input_embeddings(), TieredEmbedding):  # tiered: one table in token id order again
+        raw_model.set_input_embeddings(raw_model.get_input_embeddings().merged().to(device))
     raw_model.config.use_cache = True  # off for training (build_model); generation wants it back
     if raw_model.config._attn_implementation == "sdpa_causal":  # ours ignores padding: not for other users
         raw_model.set_attn_implementation("sdpa")

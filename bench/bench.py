@@ -110,6 +110,15 @@ STAGES = {
     "compression_shapeB_2gpu": {"sides": ["variant:no_comm", "ours_inline_bf16"], "shape": "B", "gpus": 2,
                                 "steps": 40, "skip_steps": 10, "log_every": 5, "timeout_s": 280},
     "bert": {"sides": [], "placeholder": "the masked-LM measurements of issue 8 are not written yet"},
+    # issue 11: a 500k-token vocabulary with an untied output layer, the input embedding whole on the GPU against
+    # tiered (its 32,768 most frequent rows on the GPU, the rest in CPU memory). Data: Zipf-distributed random
+    # tokens (zipf_token_data); micro-batches of 8: the logits of 16 x 1024 x 500k would take 16 GB in bf16 alone.
+    "tiered_embedding_1gpu": {"sides": ["ours", "ours_tiered"], "shape": "A", "gpus": 1, "steps": 60,
+                              "skip_steps": 20, "log_every": 10, "timeout_s": 280, "zipf_data": True,
+                              "batch": {"vocab_size": 500_000, "micro_batch_size": 8},
+                              "extra": ["model.tie_word_embeddings=false"],
+                              "side_extra": {"ours_tiered": ["model.embedding_gpu_rows=32768"]},
+                              "tiny": {"vocab_size": 50_000, "side_extra": {"ours_tiered": ["model.embedding_gpu_rows=2048"]}}},
 }
 # Sides that run train_ddp.py with settings of their own (after the stage's: a later key=value wins)
 SIDE_OVERRIDES = {
@@ -259,6 +268,42 @@ def random_token_data(batch, tiny):
     return data_dir
 
 
+def zipf_token_data(vocab_size, tiny):
+    """preprocess.py's layout (meta.json, token_frequencies.npy, train-00000.arrow, val-00000.arrow) filled with
+    random tokens whose frequencies follow Zipf's law, p(k-th most frequent) proportional to 1/k (word counts of
+    text roughly do), the ranks shuffled over the ids so the frequent ones are not simply the low ids. For the
+    tiered embedding, which puts the most frequent rows on the GPU: uniform tokens would touch nearly every row.
+    Documents of 4096 tokens, each followed by end-of-text (id 0), as preprocess.py writes them."""
+    import pyarrow as pa  # only here: the trainer's data format
+
+    data_dir = WORK_DIR / f"zipf_{vocab_size}{'_tiny' if tiny else ''}"
+    if (data_dir / "meta.json").is_file():
+        return data_dir
+    data_dir.mkdir(parents=True, exist_ok=True)
+    special = {"eot": 0, "pad": 1, "mask": 2, "cls": 3, "sep": 4}  # where preprocess.py's tokenizers have them
+    rng = np.random.default_rng(1337)
+    probabilities = 1 / np.arange(1, vocab_size - len(special) + 1)
+    probabilities /= probabilities.sum()
+    id_of_rank = len(special) + rng.permutation(vocab_size - len(special))
+    document_tokens, splits = 4096, {}
+    for split, tokens in [("train", 2**20 if tiny else 2**23), ("val", 2**17)]:
+        ids = id_of_rank[rng.choice(len(probabilities), size=tokens, p=probabilities)].reshape(-1, document_tokens)
+        rows = np.concatenate([ids, np.zeros((len(ids), 1), ids.dtype)], axis=1).astype(np.int32)
+        offsets = np.arange(0, rows.size + 1, document_tokens + 1, dtype=np.int32)
+        schema = pa.schema([("input_ids", pa.list_(pa.int32()))])
+        with pa.ipc.new_file(str(data_dir / f"{split}-00000.arrow"), schema) as writer:
+            writer.write_batch(pa.record_batch([pa.ListArray.from_arrays(pa.array(offsets), pa.array(rows.ravel()))],
+                                               schema=schema))
+        splits[split] = {"files": [f"{split}-00000.arrow"], "documents": len(rows), "tokens": int(rows.size)}
+        if split == "train":
+            np.save(data_dir / "token_frequencies.npy", np.bincount(rows.ravel(), minlength=vocab_size))
+    meta = {"format_version": 1, "vocab_size": vocab_size, "special_tokens": special, "token_dtype": "int32",
+            "eot_appended": True, "splits": splits, "source": "bench.py zipf_token_data (random, Zipf's law)",
+            "fingerprint": f"zipf-{vocab_size}-{tiny}", "token_frequencies_file": "token_frequencies.npy"}
+    (data_dir / "meta.json").write_text(json.dumps(meta))  # last: once it exists, the shards are whole
+    return data_dir
+
+
 # ----------------------------------------------------------------------------- 4. running one side
 
 class Log:
@@ -354,18 +399,25 @@ def run_ours(stage_name, stage, shape, batch, tiny, port, log, side="ours"):
     if tiny:
         env_extra["LAUNCH_DEVICE"] = "cpu"
     overrides = our_overrides(shape, batch, stage["steps"], stage["log_every"], run_dir.relative_to(REPO), tiny)
+    data_dir = zipf_token_data(batch["vocab_size"], tiny).relative_to(REPO) if stage.get("zipf_data") else None
+    if data_dir:
+        overrides.append(f"data.dir={data_dir}")
     if side == "variant:before_issue_6":  # its config has no export key and always checkpoints at the end
         overrides = [o for o in overrides if o not in ("checkpoint.every=0", "export=false")]
         overrides += [f"checkpoint.every={stage['steps']}", "log.sample_prompt="]
-    script = {"ours": "train_ddp.py", "ours_fsdp": "train_fsdp.py", **{name: "train_ddp.py" for name in SIDE_OVERRIDES}}.get(side)
+    script = {"ours": "train_ddp.py", "ours_tiered": "train_ddp.py", "ours_fsdp": "train_fsdp.py",
+              **{name: "train_ddp.py" for name in SIDE_OVERRIDES}}.get(side)
     if side.startswith("variant:"):
         script = str(variant_script(side.split(":", 1)[1]).relative_to(REPO))
     if side.startswith("config:"):
         script = "train_ddp.py"
         overrides += [o.format(prometheus_port=port + 5) for o in CONFIG_SIDES[side.split(":", 1)[1].split("#")[0]]]
-    command = ["bash", "launch.sh", script, *overrides, *stage.get("extra", []), *SIDE_OVERRIDES.get(side, [])]
+    command = ["bash", "launch.sh", script, *overrides, *stage.get("extra", []), *SIDE_OVERRIDES.get(side, []),
+               *stage.get("side_extra", {}).get(side, [])]
     status, output, seconds = run_process(command, REPO, env_extra, stage["timeout_s"], log)
     record = {"command": shell_text(command, env_extra, REPO), "status": status, "seconds": round(seconds, 1)}
+    if data_dir:
+        record["data_dir"] = str(data_dir)
     if side == "variant:sync_debug":  # warnings between the first and the last logged step
         logged = [m.start() for m in re.finditer(r"^step \d+/\d+ \|", output, re.MULTILINE)]
         if len(logged) >= 2:
@@ -377,6 +429,11 @@ def run_ours(stage_name, stage, shape, batch, tiny, port, log, side="ours"):
     vocab = re.search(r"vocab (\d+) padded to (\d+)", output)
     attention = re.search(r"attention (\S+),", output)
     record["vocab"] = int(vocab.group(1)) if vocab else None
+    # the trainer's count of what the input embedding holds (weights, gradients, optimizer state) per device
+    held = re.search(r"input embedding \(weights, gradients, optimizer state\): (.*)", output)
+    if held:
+        record["embedding_mib"] = {kind: float(mib.replace(",", "")) for mib, kind in
+                                   re.findall(r"([\d,.]+) MiB on (\w+)", held.group(1))}
     record["attention"] = attention.group(1) if attention else None
     outputs = re.search(r"^metrics: (.*)$", output, re.MULTILINE)  # where the trainer says its metrics go
     record["metrics_outputs"] = outputs.group(1) if outputs else None
@@ -421,6 +478,9 @@ def read_our_metrics(records, skip_steps):
         "window": f"steps {skip_steps + 1}-{window[-1]['step']}",
         "window_s": round(seconds, 2),
         "peak_mem_gib": max((r["mem_peak_gib"] for r in train if r.get("mem_peak_gib") is not None), default=None),
+        # memory_allocated at the window's last log line: weights and optimizer state (and, under DDP, the
+        # gradient buckets); one process frees its gradients before that line
+        "alloc_mem_gib": next((r["mem_alloc_gib"] for r in reversed(train) if r.get("mem_alloc_gib") is not None), None),
         "loss_last": train[-1].get("loss"),
         # the mean of the window's intervals (an interval's p50/p95 are over its all-reduces); None: not timed
         **{key: sum(values) / len(values) if values else None for key, values in comm.items()},
@@ -556,8 +616,8 @@ def hf_trainer_worker(stage_name, tiny):
     print("HF_TRAINER_RESULT " + json.dumps(result), flush=True)
 
 
-SIDE_RUNNERS = {"ours": run_ours, "ours_fsdp": run_ours, "nanogpt": run_nanogpt, "hf_trainer": run_hf_trainer,
-                "hf_trainer_compiled": run_hf_trainer}
+SIDE_RUNNERS = {"ours": run_ours, "ours_fsdp": run_ours, "ours_tiered": run_ours, "nanogpt": run_nanogpt,
+                "hf_trainer": run_hf_trainer, "hf_trainer_compiled": run_hf_trainer}
 
 
 # ----------------------------------------------------------------------------- 6. figures
@@ -658,6 +718,21 @@ def figures(stage_records):
             next(r for side, r in cost.items() if side.startswith("config:metrics_off")).get("command"), on_sides[0],
             note=f"on: {[round(x) for x in on]}, off: {[round(x) for x in off]}; outputs of the 'on' runs: {on_sides[0].get('metrics_outputs')}, "
                  f"NVML GPU utilisation mean {on_sides[0].get('gpu_util_mean')}")
+    tiered_stage = by_stage.get("tiered_embedding_1gpu", {})
+    whole, tiered = tiered_stage.get("ours") or {}, tiered_stage.get("ours_tiered")
+    if tiered:
+        whole_gpu = (whole.get("embedding_mib") or {}).get("cuda")
+        tiered_gpu = (tiered.get("embedding_mib") or {}).get("cuda")
+        row("tiered_embedding_gpu_mib", tiered_gpu, "MiB on the GPU for the input embedding (weights, gradients, "
+            "optimizer state), counted from its tensors by train_ddp.py", "the whole embedding on the GPU, same call",
+            whole_gpu, tiered.get("command"), whole.get("command"), tiered,
+            note=f"saved {100 * (1 - tiered_gpu / whole_gpu):.1f}% (target: at least 75%); memory_allocated at the "
+                 f"last log line {tiered.get('alloc_mem_gib')} vs {whole.get('alloc_mem_gib')} GiB"
+            if tiered_gpu is not None and whole_gpu else None)
+        tiered_tps, whole_tps = tiered.get("tokens_per_sec"), whole.get("tokens_per_sec")
+        row("tiered_embedding_step_time_ratio", ratio(whole_tps, tiered_tps), "x (step time tiered / whole)",
+            "the whole embedding on the GPU, same call", 1.0 if whole_tps else None, tiered.get("command"),
+            whole.get("command"), tiered, note="target: at most 1.05 (5% slower per step)")
     ours_a = by_stage.get("shapeA_1gpu", {}).get("ours")
     if ours_a:
         wait = ours_a.get("data_wait_fraction")
@@ -725,12 +800,12 @@ def summary_markdown(stage_records, rows):
         "vocabulary (out/bench/random_tokens); a causal step of fixed length does the same work on either.",
     ]
     by_stage = sides_by_stage(stage_records)
-    if any("ours" in sides for sides in by_stage.values()):
+    if any("ours" in sides and not STAGES.get(name, {}).get("zipf_data") for name, sides in by_stage.items()):
         lines += ["", "| stage | GPUs | window | ours tokens/s | nanoGPT tokens/s | ratio "
                   "| ours MFU (reported / formula) | nanoGPT MFU (formula) | ours peak mem GiB | status ours / nanoGPT |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
     for name, sides in by_stage.items():
-        if "ours" in sides:
+        if "ours" in sides and not STAGES.get(name, {}).get("zipf_data"):
             ours, theirs = sides["ours"], sides.get("nanogpt", {})
             ours_tps, their_tps = ours.get("tokens_per_sec"), theirs.get("tokens_per_sec")
             lines.append(
@@ -751,6 +826,9 @@ def summary_markdown(stage_records, rows):
                 extra += f", comm exposed {r['comm_exposed_ms']:.1f} ms/step"
             if r.get("allreduce_p50_ms") is not None:
                 extra += f", all-reduce p50/p95 {r['allreduce_p50_ms']:.1f}/{r['allreduce_p95_ms']:.1f} ms"
+            if r.get("embedding_mib"):
+                extra += ", input embedding " + " + ".join(f"{mib:,.0f} MiB on {kind}"
+                                                           for kind, mib in sorted(r["embedding_mib"].items()))
             lines.append(f"| {r['stage']} | {r['side']} | {r.get('gpus')} | {number(r.get('parameters_millions'), 1)}M "
                          f"| {r.get('window', '—')} | {number(r.get('tokens_per_sec'))} | {percent(r.get('mfu'))} "
                          f"| {number(r.get('peak_mem_gib'), 1)} | {r.get('status')}{extra} |")
@@ -779,9 +857,15 @@ def summary_markdown(stage_records, rows):
     notes += [f"- what the metrics cost (TensorBoard, Prometheus, NVML on vs off, shape A, 1 GPU): "
               f"{number(row['value'])} vs {number(row['baseline_value'])} tokens/s = {number(row['ratio'], 4)}x; "
               f"{row['note']}" for row in rows if row["metric"] == "metrics_on_vs_off_shapeA_1gpu_tokens_per_sec"]
+    notes += [f"- {name}: every side reads {r.get('data_dir')} (random tokens whose frequencies follow Zipf's law, "
+              "bench.py zipf_token_data), not data/stdlib" for name, sides in by_stage.items()
+              for r in list(sides.values())[:1] if r.get("data_dir")]
+    notes += [f"- {row['metric']}: {number(row['value'], 3)} (baseline {number(row['baseline_value'], 3)})"
+              + (f"; {row['note']}" if row["note"] else "") for row in rows if row["metric"].startswith("tiered_")]
     notes += [f"- {r['stage']} / ours: data/stdlib's vocabulary is {r['vocab']}, not {BATCH['vocab_size']}"
               for r in stage_records
-              if r["side"] == "ours" and not r.get("tiny") and r.get("vocab") not in (None, BATCH["vocab_size"])]
+              if r["side"] == "ours" and not r.get("tiny") and r.get("vocab") not in (None, BATCH["vocab_size"])
+              and not STAGES.get(r["stage"], {}).get("zipf_data")]
     if notes:
         lines += ["", "Notes:", "", *notes]
     return "\n".join(lines) + "\n"
@@ -827,6 +911,9 @@ def stage_settings(stage_name, tiny):
     batch = dict(TINY_BATCH if tiny else BATCH)
     if not tiny:
         batch.update(stage.get("batch", {}))
+    elif "tiny" in stage:  # a stage's own smaller sizes for the CPU check
+        batch["vocab_size"] = stage["tiny"].get("vocab_size", batch["vocab_size"])
+        stage["side_extra"] = stage["tiny"].get("side_extra", stage.get("side_extra", {}))
     return stage, shape, batch
 
 
