@@ -45,8 +45,27 @@ def free_port():
         return s.getsockname()[1]
 
 
+def kill_process_tree(pid):
+    """SIGKILL a process and all its descendants. torchrun starts its workers in sessions of their own, so
+    killing torchrun's process group leaves them running (seen: workers of killed tests still alive an hour later)."""
+    children = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the process ended meanwhile
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    doomed, index = [pid], 0
+    while index < len(doomed):
+        doomed += children.get(doomed[index], [])
+        index += 1
+    for victim in doomed:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(victim, signal.SIGKILL)
+
+
 def run(command, env_extra=None, timeout=300, cwd=REPO):
-    """Run a command; on timeout kill its whole process group (torchrun's workers too: left running, they
+    """Run a command; on timeout kill it and its descendants (torchrun's workers too: left running, they
     would slow every later test) and fail with what it printed, so a hang can be diagnosed."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env_extra or {})}
     process = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -54,7 +73,7 @@ def run(command, env_extra=None, timeout=300, cwd=REPO):
     try:
         stdout, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
+        kill_process_tree(process.pid)
         stdout, stderr = process.communicate()
         pytest.fail(f"timed out after {timeout} s: {' '.join(map(str, command))}\n{stdout[-4000:]}\n{stderr[-4000:]}")
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
@@ -2089,7 +2108,7 @@ def test_prometheus_answers_during_a_run_with_the_logged_numbers_and_a_slow_rank
             time.sleep(0.5)
             scraped = [scrape(port), scrape(port + 1)]
     finally:
-        os.killpg(process.pid, signal.SIGKILL)
+        kill_process_tree(process.pid)
         process.wait()
     record = {r["step"]: r for r in read_metrics(tmp_path, "train")}[4]
     numbers = {f"trainer_{key}": value for key, value in record.items() if isinstance(value, (int, float))}

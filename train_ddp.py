@@ -17,6 +17,7 @@ vocabulary's input embedding in CPU memory).
 
 import contextlib
 import difflib
+import gc
 import functools
 import json
 import math
@@ -414,7 +415,7 @@ def main():
     # rank 0 was still exporting died at exit with "terminate called without an active exception" (SIGABRT),
     # failing a finished run. The others wait here at most dist.timeout_s for the export.
     dist.barrier()
-    dist.destroy_process_group()
+    # the process group is destroyed after main() has returned: see the end of this file
 
 
 # ----------------------------------------------------------------------------- 1. config (helpers)
@@ -1911,6 +1912,12 @@ if __name__ == "__main__":
     try:
         try:
             main()
+            # Not at the end of main(): seen once (gdb on a rank hung at exit, gloo), DDP's reducer, freed with
+            # main()'s objects after the group had been destroyed, ran the group's destructor itself, holding
+            # Python's GIL while it waited for a gloo thread that was waiting for the GIL. Freed first (gc for
+            # reference cycles), while the group is still registered, the reducer no longer holds its last reference.
+            gc.collect()
+            dist.destroy_process_group()
         finally:
             # leaving: torchrun's SIGTERM must end this process at once again (seen: a rank whose group
             # teardown waited for a rank already gone kept running in our stop-at-step-end handler until
