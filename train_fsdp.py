@@ -1942,7 +1942,8 @@ if __name__ == "__main__":
             # Python's GIL while it waited for a gloo thread that was waiting for the GIL. Freed first (gc for
             # reference cycles), while the group is still registered, the reducer no longer holds its last reference.
             gc.collect()
-            dist.destroy_process_group()
+            if dist.is_initialized():  # not with --check
+                dist.destroy_process_group()
         finally:
             # leaving: torchrun's SIGTERM must end this process at once again (seen: a rank whose group
             # teardown waited for a rank already gone kept running in our stop-at-step-end handler until
