@@ -79,12 +79,15 @@ def run(command, env_extra=None, timeout=300, cwd=REPO):
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
-def torchrun(nproc, script, *args, timeout=300, must_pass=True, env_extra=None, max_restarts=0):
+def torchrun_command(nproc, script, *args, max_restarts=0):
     if str(script).startswith("train_"):  # a hung collective fails (naming the lost ranks) before the test's timeout
         args = ("dist.timeout_s=120", *args)  # a test's own dist.timeout_s comes later and wins
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--max-restarts",
-               str(max_restarts), "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(REPO / script), *args]
-    result = run(command, env_extra=env_extra, timeout=timeout)
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--max-restarts",
+            str(max_restarts), "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(REPO / script), *args]
+
+
+def torchrun(nproc, script, *args, timeout=300, must_pass=True, env_extra=None, max_restarts=0):
+    result = run(torchrun_command(nproc, script, *args, max_restarts=max_restarts), env_extra=env_extra, timeout=timeout)
     if must_pass:
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result
@@ -415,14 +418,15 @@ def loss_of(model, ids):  # the trainer's scaling: summed loss x world size / la
 
 
 def train(kind, bucket_mb=0.02, accumulate=True, compression="none", steps=1, observe=None):
-    raw, timings = fresh_model(), {"allreduce": [], "exposed": []}
+    raw, allreduce_spans = fresh_model(), []
     ddp = reducer = None
     if kind == "torch":
         ddp = DDP(raw, bucket_cap_mb=bucket_mb)
         if compression == "bf16":
-            ddp.register_comm_hook(timings, train_ddp.bf16_allreduce_hook)
+            ddp.register_comm_hook(allreduce_spans, train_ddp.bf16_allreduce_hook)
     else:
-        reducer = train_ddp.InlineReducer(raw, bucket_mb, compression, timings)
+        reducer = train_ddp.InlineReducer(raw, bucket_mb, compression, allreduce_spans,
+                                          train_ddp.SpanTimer(torch.device("cpu")))
         if observe is not None:  # gradients still to come when each bucket starts
             launch = reducer.launch
             reducer.launch = lambda index: (observe.append(sum(reducer.missing)), launch(index))
@@ -481,7 +485,7 @@ for name, use_branch in [("unused_on_rank_1", rank == 0), ("unused_everywhere", 
     reference(x, use_branch).sum().backward()
     torch.manual_seed(0)
     model = TwoBranches()
-    reducer = train_ddp.InlineReducer(model, 1e-5, "none", {"allreduce": [], "exposed": []})
+    reducer = train_ddp.InlineReducer(model, 1e-5, "none", [], train_ddp.SpanTimer(torch.device("cpu")))
     reducer.reduce_in_backward = True
     model(x, use_branch).sum().backward()
     reducer.finish()
@@ -863,9 +867,8 @@ def test_a_hung_rank_is_named_and_the_others_stop_within_the_timeout(data_dir, t
 def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step_with_a_checkpoint(data_dir, tmp_path):
     """A preemption notice may reach one process only: rank 1 gets SIGTERM, every rank stops after the same
     step, the checkpoint of that step is written, the job exits non-zero, and a new start resumes from it."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-               "--master-port", str(free_port()), str(REPO / "train_ddp.py"), f"data.dir={data_dir}", *EIGHT_STEPS,
-               "train.max_steps=100000", "checkpoint.every=100000", f"out_dir={tmp_path}", f"checkpoint.dir={tmp_path}/ckpt"]
+    command = torchrun_command(2, "train_ddp.py", f"data.dir={data_dir}", *EIGHT_STEPS, "train.max_steps=100000",
+                               "checkpoint.every=100000", f"out_dir={tmp_path}", f"checkpoint.dir={tmp_path}/ckpt")
     process = subprocess.Popen(command, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     output = []
@@ -2105,10 +2108,9 @@ def test_prometheus_answers_during_a_run_with_the_logged_numbers_and_a_slow_rank
     interval of steps 3-4 names rank 1 slowest, with a large data wait. Both ranks stop (hang) in step 5, so
     each endpoint holds step 4's numbers while the test reads them."""
     port = free_port()
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-               "--master-port", str(free_port()), str(REPO / "train_ddp.py"), f"data.dir={data_dir}", *EIGHT_STEPS,
-               "log.every=2", "checkpoint.every=0", "train.eval_every=100", f"log.prometheus_port={port}",
-               f"out_dir={tmp_path}", f"checkpoint.dir={tmp_path}/ckpt"]
+    command = torchrun_command(2, "train_ddp.py", f"data.dir={data_dir}", *EIGHT_STEPS, "log.every=2", "checkpoint.every=0",
+                               "train.eval_every=100", f"log.prometheus_port={port}", f"out_dir={tmp_path}",
+                               f"checkpoint.dir={tmp_path}/ckpt")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "FAULT": "slow:1:3,hang:0:5,hang:1:5"}
     log = tmp_path / "output.log"
     with open(log, "w") as output:  # a file, not a pipe: nobody reads a pipe while the test polls

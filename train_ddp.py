@@ -206,7 +206,10 @@ def main():
         log0(f"resumed from {resume_dir}: step {step}, {samples_seen:,} samples, {tokens_seen:,} tokens seen")
 
     # ------------------------------------------------------------------------- 7. training loop
-    comm_timings = {"allreduce": [], "exposed": []}  # (start, end) of each timed all-reduce and wait, this interval
+    # where the time goes, read at each log line (SpanTimer): building the next batches, waiting at the step's
+    # sync for the slowest rank, waiting for the gradient all-reduces (dist.reducer=inline)
+    data_wait, sync_wait, comm_wait = SpanTimer(device), SpanTimer(device), SpanTimer(device)
+    allreduce_spans = []  # (start, end) of each timed bucket all-reduce of this interval: see timed_all_reduce
     # Wrapped after loading: DDP's constructor copies rank 0's weights to every rank. One process needs no
     # DDP: it would only split the compiled graph at its buckets (below) and all-reduce with itself.
     # dist.reducer=inline does DDP's work in plain sight instead (InlineReducer); one process needs neither.
@@ -221,9 +224,10 @@ def main():
         ddp_model = DDP(raw_model, device_ids=[local_rank] if use_cuda else None, bucket_cap_mb=cfg.dist.bucket_mb,
                         gradient_as_bucket_view=True)  # gradients live in the buckets
         if cfg.dist.grad_compression == "bf16":
-            ddp_model.register_comm_hook(comm_timings, bf16_allreduce_hook)
+            ddp_model.register_comm_hook(allreduce_spans, bf16_allreduce_hook)
     elif world_size > 1:
-        reducer = InlineReducer(raw_model, cfg.dist.bucket_mb, cfg.dist.grad_compression, comm_timings)
+        reducer = InlineReducer(raw_model, cfg.dist.bucket_mb, cfg.dist.grad_compression, allreduce_spans,
+                                comm_wait)
     # Dynamo splits the compiled graph at DDP's bucket boundaries whenever it compiles code running inside
     # DDP's forward, whichever of the two wraps the other (DDPOptimizer, torch/_dynamo/convert_frame.py):
     # each bucket's all-reduce then starts while backward is still computing the earlier layers.
@@ -254,8 +258,6 @@ def main():
     interval_loss_sum = torch.zeros((), device=device, dtype=torch.float64)  # this rank's, stays on the GPU
     interval_steps, interval_input_tokens, interval_label_tokens, interval_skipped = 0, 0, 0, 0
     interval_flops = 0
-    # where the time goes, read at each log line: see SpanTimer and the record below
-    data_wait, sync_wait = SpanTimer(device), SpanTimer(device)
     interval_start, paused_s, bad_steps_in_a_row = time.perf_counter(), 0.0, 0
     embedding_reported = False
     with data_wait:
@@ -364,7 +366,9 @@ def main():
                 "mem_alloc_gib": torch.cuda.memory_allocated() / gib if use_cuda else None,
                 "mem_reserved_gib": torch.cuda.memory_reserved() / gib if use_cuda else None,
                 "mem_peak_gib": torch.cuda.max_memory_allocated() / gib if use_cuda else None,
-                **comm_summary(comm_timings, interval_steps),  # allreduce_p50_ms, allreduce_p95_ms, comm_exposed_ms
+                # communication backward did not hide, per step; DDP's own (dist.reducer=torch) is not timed
+                "comm_exposed_ms": 1000 * comm_wait.total_s() / interval_steps if reducer else None,
+                **allreduce_latency(allreduce_spans),  # allreduce_p50_ms, allreduce_p95_ms
                 "data_wait_frac": max(frac for _, frac in per_rank),
                 "step_time_skew": max(rank_busy_s) / max(min(rank_busy_s), 1e-9) if world_size > 1 else None,
                 "slowest_rank": rank_busy_s.index(max(rank_busy_s)) if world_size > 1 else None,
@@ -1471,9 +1475,9 @@ class InlineReducer:
     so each step all-reduces once. World size 1 uses no reducer at all (main(): nothing to average).
     """
 
-    def __init__(self, model, bucket_mb, compression, timings):
+    def __init__(self, model, bucket_mb, compression, allreduce_spans, comm_wait):
         self.wire_dtype = torch.bfloat16 if compression == "bf16" else torch.float32
-        self.timings = timings
+        self.allreduce_spans, self.comm_wait = allreduce_spans, comm_wait  # for the log: latency, exposed time
         # every rank starts from rank 0's weights, as DDP's constructor makes sure (ranks that differed would
         # train different models on averaged gradients, silently). Buffers too, once: DDP broadcasts them before
         # every forward, which matters for running statistics (BatchNorm); transformers' language models have none.
@@ -1510,17 +1514,16 @@ class InlineReducer:
         for param in bucket:
             param.grad = None  # the bucket holds it now: one copy of the gradients in memory, not two
         flat = flat.to(self.wire_dtype)
-        self.in_flight.append((timed_all_reduce(flat, self.timings), flat))
+        self.in_flight.append((timed_all_reduce(flat, self.allreduce_spans), flat))
 
     def finish(self):
         for bucket_index in range(len(self.in_flight), len(self.buckets)):
             self.launch(bucket_index)  # buckets still missing a gradient
-        waited_from = time_stamp()
-        for work, _ in self.in_flight:
-            # Without wait() nothing orders the sum before the optimizer's reads: on a GPU, work.wait() makes the
-            # compute stream wait for the communication stream (the host goes on); on gloo the host waits.
-            work.wait()
-        self.timings["exposed"].append((waited_from, time_stamp()))  # communication that backward did not hide
+        with self.comm_wait:  # the communication that backward did not hide
+            for work, _ in self.in_flight:
+                # Without wait() nothing orders the sum before the optimizer's reads: on a GPU, work.wait() makes
+                # the compute stream wait for the communication stream (the host goes on); on gloo the host waits.
+                work.wait()
         for bucket, (_, flat) in zip(self.buckets, self.in_flight):
             averaged = flat.float().div_(dist.get_world_size())  # bf16 travelled; the division is in fp32
             for param, grad in zip(bucket, averaged.split([p.numel() for p in bucket])):
@@ -1529,12 +1532,12 @@ class InlineReducer:
         self.in_flight = []
 
 
-def bf16_allreduce_hook(timings, bucket):
+def bf16_allreduce_hook(allreduce_spans, bucket):
     """DDP communication hook of dist.grad_compression=bf16: a bucket travels as bf16 and is divided by the
     world size in fp32, as InlineReducer does it (DDP leaves the division to a registered hook). Not torch's
     bf16_compress_hook: it divides in bf16, and DDP accepts a hook of that name only with NCCL (register_comm_hook)."""
     buffer = bucket.buffer()
-    work = timed_all_reduce(buffer.to(torch.bfloat16), timings)
+    work = timed_all_reduce(buffer.to(torch.bfloat16), allreduce_spans)
 
     def average(future):
         return buffer.copy_(future.value()[0]).div_(dist.get_world_size())
@@ -1542,14 +1545,14 @@ def bf16_allreduce_hook(timings, bucket):
     return work.get_future().then(average)
 
 
-def timed_all_reduce(flat, timings):
-    """Start the all_reduce (sum) of one flat bucket without waiting for it; its start and end go to timings.
+def timed_all_reduce(flat, allreduce_spans):
+    """Start the all_reduce (sum) of one flat bucket without waiting for it; its start and end go to allreduce_spans.
     The end is stamped in a callback of the work's future: gloo runs it when the sum is done; NCCL runs it once
     the all-reduce is enqueued, on a callback stream that waits for it (Work.get_future's documentation), so an
     event recorded there completes with the all-reduce. Neither makes the host wait."""
     started = time_stamp()
     work = dist.all_reduce(flat, async_op=True)
-    work.get_future().then(lambda _: timings["allreduce"].append((started, time_stamp())))
+    work.get_future().then(lambda _: allreduce_spans.append((started, time_stamp())))
     return work
 
 
@@ -1570,17 +1573,14 @@ def elapsed_ms(start, end):
     return start.elapsed_time(end)
 
 
-def comm_summary(comm_timings, steps):
-    """The interval's exposed communication (ms per step: the time spent waiting for all-reduces that
-    backward did not hide) and all-reduce latency percentiles (ms from a bucket's start to its end, waiting
-    behind earlier buckets included); None where nothing was timed (DDP's own all-reduce, inside its C++
-    reducer, and FSDP's collectives are not). Empties the lists for the next interval."""
-    exposed, comm_timings["exposed"] = comm_timings["exposed"], []
-    latencies, comm_timings["allreduce"] = comm_timings["allreduce"], []  # a late gloo callback appends to the new list
-    exposed_ms = [elapsed_ms(start, end) for start, end in exposed]
-    latency_ms = [elapsed_ms(start, end) for start, end in latencies]
-    return {"comm_exposed_ms": sum(exposed_ms) / steps if exposed_ms else None,
-            "allreduce_p50_ms": float(np.percentile(latency_ms, 50)) if latency_ms else None,
+def allreduce_latency(allreduce_spans):
+    """p50 and p95 of the interval's bucket all-reduces, in ms from launch to completion (waiting behind earlier
+    buckets included); None where none was timed (DDP's own all-reduce runs inside its C++ reducer). Removes
+    the spans it read: one a late gloo callback appends meanwhile stays for the next interval."""
+    count = len(allreduce_spans)
+    latency_ms = [elapsed_ms(start, end) for start, end in allreduce_spans[:count]]
+    del allreduce_spans[:count]
+    return {"allreduce_p50_ms": float(np.percentile(latency_ms, 50)) if latency_ms else None,
             "allreduce_p95_ms": float(np.percentile(latency_ms, 95)) if latency_ms else None}
 
 
@@ -1730,7 +1730,7 @@ class MetricsLog:
 
 
 class SpanTimer:
-    """The time of one recurring part of a step (building the next batches, waiting at the step's sync),
+    """The time of one recurring part of a step (building the next batches, waiting for the other ranks),
     summed over a log interval without making the host wait for the GPU. Used as `with timer:` around it.
 
     On a GPU the host runs ahead, and what counts is what the GPU does meanwhile: two CUDA events on its

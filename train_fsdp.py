@@ -237,7 +237,9 @@ def main():
         log0(f"resumed from {resume_dir}: step {step}, {samples_seen:,} samples, {tokens_seen:,} tokens seen")
 
     # ------------------------------------------------------------------------- 7. training loop
-    comm_timings = {"allreduce": [], "exposed": []}  # (start, end) of each timed all-reduce and wait, this interval
+    # where the time goes, read at each log line (SpanTimer): building the next batches, waiting at the step's
+    # sync for the slowest rank
+    data_wait, sync_wait = SpanTimer(device), SpanTimer(device)
     model = raw_model  # sharded in place by fully_shard, its blocks compiled there (section 4)
     # dcp.async_save writes in a background thread and needs a process group with a CPU backend
     async_group = dist.new_group(backend="gloo") if cfg.checkpoint.async_save else None
@@ -260,8 +262,6 @@ def main():
     interval_loss_sum = torch.zeros((), device=device, dtype=torch.float64)  # this rank's, stays on the GPU
     interval_steps, interval_input_tokens, interval_label_tokens, interval_skipped = 0, 0, 0, 0
     interval_flops = 0
-    # where the time goes, read at each log line: see SpanTimer and the record below
-    data_wait, sync_wait = SpanTimer(device), SpanTimer(device)
     interval_start, paused_s, bad_steps_in_a_row = time.perf_counter(), 0.0, 0
     embedding_reported = False
     with data_wait:
@@ -368,7 +368,8 @@ def main():
                 "mem_alloc_gib": torch.cuda.memory_allocated() / gib if use_cuda else None,
                 "mem_reserved_gib": torch.cuda.memory_reserved() / gib if use_cuda else None,
                 "mem_peak_gib": torch.cuda.max_memory_allocated() / gib if use_cuda else None,
-                **comm_summary(comm_timings, interval_steps),  # allreduce_p50_ms, allreduce_p95_ms, comm_exposed_ms
+                # FSDP's all-gathers and reduce-scatters run inside fully_shard's hooks: not timed
+                "comm_exposed_ms": None, "allreduce_p50_ms": None, "allreduce_p95_ms": None,
                 "data_wait_frac": max(frac for _, frac in per_rank),
                 "step_time_skew": max(rank_busy_s) / max(min(rank_busy_s), 1e-9) if world_size > 1 else None,
                 "slowest_rank": rank_busy_s.index(max(rank_busy_s)) if world_size > 1 else None,
@@ -1562,37 +1563,6 @@ def restore_rng(saved_states, rank, seed, step):
 
 # ----------------------------------------------------------------------------- 7. training loop (helpers)
 
-def time_stamp():
-    """Now: on a GPU a CUDA event recorded on the current stream, read at log time (reading it now would make
-    the host wait for the GPU); on a CPU the host clock."""
-    if not torch.cuda.is_available():
-        return time.perf_counter()
-    event = torch.cuda.Event(enable_timing=True)
-    event.record()
-    return event
-
-
-def elapsed_ms(start, end):
-    if isinstance(start, float):
-        return 1000 * (end - start)
-    end.synchronize()  # at log time only
-    return start.elapsed_time(end)
-
-
-def comm_summary(comm_timings, steps):
-    """The interval's exposed communication (ms per step: the time spent waiting for all-reduces that
-    backward did not hide) and all-reduce latency percentiles (ms from a bucket's start to its end, waiting
-    behind earlier buckets included); None where nothing was timed (DDP's own all-reduce, inside its C++
-    reducer, and FSDP's collectives are not). Empties the lists for the next interval."""
-    exposed, comm_timings["exposed"] = comm_timings["exposed"], []
-    latencies, comm_timings["allreduce"] = comm_timings["allreduce"], []  # a late gloo callback appends to the new list
-    exposed_ms = [elapsed_ms(start, end) for start, end in exposed]
-    latency_ms = [elapsed_ms(start, end) for start, end in latencies]
-    return {"comm_exposed_ms": sum(exposed_ms) / steps if exposed_ms else None,
-            "allreduce_p50_ms": float(np.percentile(latency_ms, 50)) if latency_ms else None,
-            "allreduce_p95_ms": float(np.percentile(latency_ms, 95)) if latency_ms else None}
-
-
 def evaluate(model, val_data, cfg, world_size, rank, device, autocast):
     """Mean loss per label token over the same validation batches every time, each rank computing its share.
     Rank 0 alone would be world_size times slower, and would hang the others if the forward pass itself
@@ -1739,7 +1709,7 @@ class MetricsLog:
 
 
 class SpanTimer:
-    """The time of one recurring part of a step (building the next batches, waiting at the step's sync),
+    """The time of one recurring part of a step (building the next batches, waiting for the other ranks),
     summed over a log interval without making the host wait for the GPU. Used as `with timer:` around it.
 
     On a GPU the host runs ahead, and what counts is what the GPU does meanwhile: two CUDA events on its
