@@ -616,6 +616,10 @@ def test_launch_trains_on_two_processes_and_the_validation_loss_falls(trained_ru
     assert [t["lr"] for t in train[:2]] == pytest.approx([5e-3, 1e-2])
     assert sorted(p.name for p in (out / "ckpt").glob("step_*")) == ["step_000004", "step_000008"]
     assert (out / "ckpt" / "latest").read_text() == "step_000008"
+    # the memory prediction from counts and dtypes (16 bytes per fp32 parameter) against the tensors that exist
+    [memory] = read_metrics(out, "memory")
+    assert memory["step"] == 2 and memory["predicted_bytes"] == memory["held_bytes"] > 0
+    assert memory["predicted_optimizer_bytes"] == 2 * memory["predicted_weights_bytes"]
     # every rank's stderr of the (only) attempt is kept for launch.sh's failure report
     assert len(list((out / "logs").glob("*/*/attempt_0/[01]/stderr.log"))) == 2
 
@@ -1032,6 +1036,10 @@ def test_fsdp_gives_the_losses_of_ddp_for_the_same_seed_and_data(fsdp_run, data_
     fsdp, ddp = losses(out), losses(tmp_path)
     assert sorted(fsdp) == list(range(1, 9)) and sorted(ddp) == sorted(fsdp)
     assert all(fsdp[step] == pytest.approx(ddp[step], rel=1e-5) for step in ddp), (fsdp, ddp)
+    # each rank holds about half of the weights, gradients and AdamW state (dim 0 split, the last shard padded)
+    [fsdp_memory], [ddp_memory] = read_metrics(out, "memory"), read_metrics(tmp_path, "memory")
+    assert fsdp_memory["held_bytes"] == fsdp_memory["predicted_bytes"]
+    assert fsdp_memory["predicted_bytes"] == pytest.approx(ddp_memory["predicted_bytes"] / 2, rel=0.02)
     assert read_metrics(out, "val")[-1]["val_loss"] < 0.8 * read_metrics(out, "val")[0]["val_loss"]
 
 

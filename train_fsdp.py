@@ -209,6 +209,10 @@ def main():
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg))
     scaler = torch.amp.GradScaler(device.type, enabled=False)  # fp16 is refused above: kept so the loop reads as DDP's
+    predicted = memory_prediction(raw_model, device)
+    log0(f"memory per rank, predicted from the parameters' counts and dtypes: weights {predicted['weights'] / 2**20:,.1f} "
+         f"MiB, gradients {predicted['gradients'] / 2**20:,.1f} MiB, AdamW state {predicted['optimizer'] / 2**20:,.1f} MiB "
+         f"on {device.type}; activations are measured at step 2")
 
     # ------------------------------------------------------------------------- 6. checkpoint
     ckpt_dir = Path(cfg.checkpoint.dir)
@@ -264,6 +268,9 @@ def main():
     interval_flops = 0
     interval_start, paused_s, bad_steps_in_a_row = time.perf_counter(), 0.0, 0
     embedding_reported = False
+    # AdamW creates its state in the first update, so the second step of a run is the first whose peak holds
+    # everything: weights, gradients, optimizer state and the activations of backward
+    memory_report_step = min(step + 2, cfg.train.max_steps)
     with data_wait:
         next_batches = rank_batches(train_data, samples_seen, cfg.train.seed, cfg, world_size, rank, device)
     while step < cfg.train.max_steps:
@@ -335,6 +342,10 @@ def main():
                 embedding_reported = True
             interval_loss_sum += step_loss_sum
             interval_label_tokens += step_label_tokens
+        if step + 1 == memory_report_step:  # before zero_grad: the gradients still exist
+            memory = memory_measured(raw_model, optimizer, device, predicted)
+            metrics_log.write({"kind": "memory", "step": step + 1, **memory})
+            log0(memory_line(step + 1, memory))
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
         step_lr = optimizer.param_groups[0]["lr"]  # the rate this step used: scheduler.step() sets the next one's
@@ -1281,6 +1292,51 @@ def embedding_memory(raw_model, optimizer):
 
 
 # ----------------------------------------------------------------------------- 5. optimizer (helpers)
+
+def memory_prediction(raw_model, device):
+    """Bytes this rank holds between steps, from the parameters' counts and dtypes: the weights, a gradient of
+    the same dtype for each trained one, and AdamW's two moments (exp_avg, exp_avg_sq), which torch.optim.AdamW
+    creates like the parameter (torch.zeros_like). Only this device's tensors: not a tiered table's CPU rows."""
+    weights = trained = 0
+    for parameter in raw_model.parameters():
+        local = parameter.to_local() if hasattr(parameter, "to_local") else parameter  # FSDP: this rank's shard
+        if local.device.type == device.type:
+            weights += local.numel() * local.element_size()
+            trained += local.numel() * local.element_size() if parameter.requires_grad else 0
+    return {"weights": weights, "gradients": trained, "optimizer": 2 * trained}
+
+
+def memory_measured(raw_model, optimizer, device, predicted):
+    """After an update, before zero_grad: the prediction, the same three summed from the tensors that exist
+    (its check), and on a GPU the caching allocator's figures: allocated now, the peak since start (forward and
+    backward's activations and temporaries on top of what stays) and reserved (allocated plus its cache)."""
+    held = 0
+    for parameter in raw_model.parameters():
+        for tensor in [parameter, parameter.grad, *optimizer.state.get(parameter, {}).values()]:
+            local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+            # AdamW's "step" is a 0-d tensor per parameter (4 bytes): not part of the prediction's state
+            if torch.is_tensor(local) and local.dim() > 0 and local.device.type == device.type:
+                held += local.numel() * local.element_size()
+    memory = {"predicted_bytes": sum(predicted.values()), **{f"predicted_{k}_bytes": v for k, v in predicted.items()},
+              "held_bytes": held}
+    if device.type == "cuda":
+        memory.update(allocated_bytes=torch.cuda.memory_allocated(device),
+                      peak_bytes=torch.cuda.max_memory_allocated(device),
+                      reserved_bytes=torch.cuda.memory_reserved(device))
+    return memory
+
+
+def memory_line(step, memory):
+    mib = {key: value / 2**20 for key, value in memory.items()}
+    line = (f"step {step} | memory per rank: weights + gradients + AdamW state predicted {mib['predicted_bytes']:,.1f} "
+            f"MiB, held by those tensors {mib['held_bytes']:,.1f} MiB")
+    if "peak_bytes" in memory:
+        line += (f"; allocated {mib['allocated_bytes']:,.1f} MiB, peak {mib['peak_bytes']:,.1f} MiB (activations "
+                 f"and temporaries: {mib['peak_bytes'] - mib['predicted_bytes']:,.1f} MiB above the prediction), "
+                 f"reserved {mib['reserved_bytes']:,.1f} MiB (the allocator's cache: "
+                 f"{mib['reserved_bytes'] - mib['peak_bytes']:,.1f} MiB above the peak)")
+    return line
+
 
 def lr_factor(step, cfg):
     """Linear warmup, then cosine decay to min_lr at max_steps (a multiplier of optim.lr)."""

@@ -467,8 +467,10 @@ def read_our_metrics(records, skip_steps):
         for key in COMM_KEYS:
             if r.get(key) is not None:
                 comm[key].append(r[key])
+    # the trainer's memory accounting at step 2 (issue 8): its prediction and the allocator's figures, in bytes
+    memory = next((r for r in records if r.get("kind") == "memory"), None)
     if not seconds:
-        return {"tokens_per_sec": None, "note": f"no logged interval after step {skip_steps}"}
+        return {"tokens_per_sec": None, "note": f"no logged interval after step {skip_steps}", "memory": memory}
     gpu_utils = [r["gpu_util"] for r in window if r.get("gpu_util") is not None]
     return {
         "tokens_per_sec": tokens / seconds,
@@ -482,6 +484,7 @@ def read_our_metrics(records, skip_steps):
         # gradient buckets); one process frees its gradients before that line
         "alloc_mem_gib": next((r["mem_alloc_gib"] for r in reversed(train) if r.get("mem_alloc_gib") is not None), None),
         "loss_last": train[-1].get("loss"),
+        "memory": memory,
         # the mean of the window's intervals (an interval's p50/p95 are over its all-reduces); None: not timed
         **{key: sum(values) / len(values) if values else None for key, values in comm.items()},
     }
@@ -733,6 +736,16 @@ def figures(stage_records):
         row("tiered_embedding_step_time_ratio", ratio(whole_tps, tiered_tps), "x (step time tiered / whole)",
             "the whole embedding on the GPU, same call", 1.0 if whole_tps else None, tiered.get("command"),
             whole.get("command"), tiered, note="target: at most 1.05 (5% slower per step)")
+    for stage_name, sides in by_stage.items():  # issue 8: the start-up prediction against the allocator
+        memory = (sides.get("ours") or {}).get("memory") or {}
+        if memory.get("allocated_bytes"):
+            row(f"{stage_name}_memory_predicted_vs_allocated", memory["predicted_bytes"] / 2**20,
+                "MiB: weights + gradients + AdamW state, predicted at start-up from the parameters' counts and dtypes",
+                "torch.cuda.memory_allocated after step 2's update", memory["allocated_bytes"] / 2**20,
+                sides["ours"].get("command"), None, sides["ours"],
+                f"max_memory_allocated {memory['peak_bytes'] / 2**20:,.0f} MiB: activations and temporaries "
+                f"{(memory['peak_bytes'] - memory['predicted_bytes']) / 2**20:,.0f} MiB above the prediction; "
+                f"reserved {memory['reserved_bytes'] / 2**20:,.0f} MiB")
     ours_a = by_stage.get("shapeA_1gpu", {}).get("ours")
     if ours_a:
         wait = ours_a.get("data_wait_fraction")
