@@ -454,6 +454,7 @@ RANGES = {
     "model.n_head": AT_LEAST_1,
     "model.n_embd": AT_LEAST_1,
     "model.dropout": (lambda v: 0 <= v < 1, "from 0 up to (not including) 1"),
+    "model.intermediate_size": (lambda v: v >= 0, "of at least 0 (0 = 4 x model.n_embd)"),
     "model.embedding_gpu_rows": (lambda v: v >= 0, "of at least 0 (0 = the whole input embedding on the GPU)"),
     "train.seq_len": (lambda v: v >= 3, "of at least 3 (a masked LM sample is [CLS] token [SEP])"),
     "train.global_batch_size": AT_LEAST_1,
@@ -874,7 +875,7 @@ def build_model(cfg, task, padded_vocab_size, special, device):
             die(f"model.type={cfg.model.type} is not a transformers model type ({first_line(error)}) "
                 "-> use e.g. gpt2, llama, bert or roberta")
         if hasattr(config, "intermediate_size"):  # models that have one default to their own, much larger size
-            config.intermediate_size = 4 * cfg.model.n_embd
+            config.intermediate_size = cfg.model.intermediate_size or 4 * cfg.model.n_embd
         if hasattr(config, "num_key_value_heads"):
             config.num_key_value_heads = cfg.model.n_head
     for name, value in config.to_dict().items():
@@ -1300,7 +1301,8 @@ def lr_factor(step, cfg):
 
 CHECKPOINT_FILES = ["model.pt", "optimizer.pt", "train_state.pt", "checksums.json"]
 # config keys that checkpoints written before them lack, with the value those runs had
-SINCE_CHECKPOINTS_HAD_THEM = {"model.tie_word_embeddings": "auto", "model.embedding_gpu_rows": 0}
+SINCE_CHECKPOINTS_HAD_THEM = {"model.tie_word_embeddings": "auto", "model.embedding_gpu_rows": 0,
+                              "model.intermediate_size": 0}
 
 
 def is_complete(path):
@@ -1458,7 +1460,7 @@ def load_train_state(path, scheduler, scaler, cfg):
         train_state = torch.load(path / "train_state.pt", weights_only=True)
         saved_config, this_config = train_state["config"], config_dict(cfg)
         for key in ["model.type", "model.task", "model.n_layer", "model.n_head", "model.n_embd", "model.pretrained",
-                    "model.tie_word_embeddings", "model.embedding_gpu_rows"]:
+                    "model.intermediate_size", "model.tie_word_embeddings", "model.embedding_gpu_rows"]:
             saved = saved_config.get(key, SINCE_CHECKPOINTS_HAD_THEM.get(key))
             if saved != this_config[key]:
                 die(f"checkpoint {path} was trained with {key}={saved}, this run has "

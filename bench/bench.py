@@ -110,6 +110,15 @@ STAGES = {
     "compression_shapeB_2gpu": {"sides": ["variant:no_comm", "ours_inline_bf16"], "shape": "B", "gpus": 2,
                                 "steps": 40, "skip_steps": 10, "log_every": 5, "timeout_s": 280},
     "bert": {"sides": [], "placeholder": "the masked-LM measurements of issue 8 are not written yet"},
+    # issue 8: GPT-2 against a Llama of the same size (CONFIG_SIDES: SwiGLU's three matrices 8/3 x width wide hold
+    # what GPT-2's two 4 x width ones do; RMSNorm, rotary positions, no biases, an untied output layer)
+    "llama_shapeA_1gpu": {"sides": ["ours", "config:llama"], "shape": "A", "gpus": 1, "steps": 80, "skip_steps": 20,
+                          "log_every": 10, "timeout_s": 200},
+    # issue 8: torch.nn.DataParallel (one process drives both GPUs) against DDP (a process per GPU), the same
+    # model and global batch, both eager: DataParallel copies the module to every GPU in each forward, which
+    # torch.compile does not follow
+    "dataparallel_shapeA_2gpu": {"sides": ["config:eager", "dataparallel"], "shape": "A", "gpus": 2, "steps": 50,
+                                 "skip_steps": 10, "log_every": 10, "timeout_s": 200},
     # issue 11: a 500k-token vocabulary with an untied output layer, the input embedding whole on the GPU against
     # tiered (its 32,768 most frequent rows on the GPU, the rest in CPU memory). Data: Zipf-distributed random
     # tokens (zipf_token_data); micro-batches of 8: the logits of 16 x 1024 x 500k would take 16 GB in bf16 alone.
@@ -152,6 +161,8 @@ VARIANT_FILES = {"before_issue_6": REPO / ".baselines" / "before_issue_6"}
 CONFIG_SIDES = {
     "metrics_off": ["log.tensorboard=false", "log.prometheus_port=0", "log.gpu_util=false"],
     "metrics_on": ["log.tensorboard=true", "log.prometheus_port={prometheus_port}", "log.gpu_util=true"],
+    "llama": ["model.type=llama", "model.intermediate_size={intermediate_size}"],
+    "eager": ["train.compile=false"],
 }
 
 DATA_WAIT_KEY = "data_wait_frac"  # a metrics.jsonl "train" key
@@ -411,7 +422,8 @@ def run_ours(stage_name, stage, shape, batch, tiny, port, log, side="ours"):
         script = str(variant_script(side.split(":", 1)[1]).relative_to(REPO))
     if side.startswith("config:"):
         script = "train_ddp.py"
-        overrides += [o.format(prometheus_port=port + 5) for o in CONFIG_SIDES[side.split(":", 1)[1].split("#")[0]]]
+        overrides += [o.format(prometheus_port=port + 5, intermediate_size=round(8 / 3 * shape["n_embd"] / 64) * 64)
+                      for o in CONFIG_SIDES[side.split(":", 1)[1].split("#")[0]]]
     command = ["bash", "launch.sh", script, *overrides, *stage.get("extra", []), *SIDE_OVERRIDES.get(side, []),
                *stage.get("side_extra", {}).get(side, [])]
     status, output, seconds = run_process(command, REPO, env_extra, stage["timeout_s"], log)
@@ -619,7 +631,74 @@ def hf_trainer_worker(stage_name, tiny):
     print("HF_TRAINER_RESULT " + json.dumps(result), flush=True)
 
 
-SIDE_RUNNERS = {"ours": run_ours, "ours_fsdp": run_ours, "ours_tiered": run_ours, "nanogpt": run_nanogpt,
+def run_dataparallel(stage_name, stage, shape, batch, tiny, port, log):
+    command = [sys.executable, "bench/bench.py", "--dataparallel-worker", stage_name, *(["--tiny"] if tiny else [])]
+    env_extra = device_env(stage["gpus"], tiny)
+    status, output, seconds = run_process(command, REPO, env_extra, stage["timeout_s"], log)
+    record = {"command": shell_text(command, env_extra, REPO).replace(sys.executable, "python3"),
+              "status": status, "seconds": round(seconds, 1)}
+    result_lines = re.findall(r"^DATAPARALLEL_RESULT (.*)$", output, re.MULTILINE)
+    if result_lines:
+        record.update(json.loads(result_lines[-1]))
+    return record
+
+
+def dataparallel_worker(stage_name, tiny):
+    """torch.nn.DataParallel over every visible GPU: the model train_ddp.py builds for the stage's shape (GPT-2,
+    its sdpa_causal attention, no cache), bf16 autocast on a GPU, fused AdamW, the global batch as micro-batches
+    of micro_batch_size sequences per GPU, random tokens. DataParallel splits each micro-batch across the GPUs,
+    runs a copy of the module on each (copied from GPU 0 in every forward), gathers the losses on GPU 0 and sums
+    the gradients there in backward. The clock: CUDA-synchronized at the ends of step skip_steps and the last."""
+    import torch
+    from transformers import AutoModelForCausalLM, GPT2Config
+    sys.path.insert(0, str(REPO))
+    import train_ddp
+
+    stage, shape, batch = stage_settings(stage_name, tiny)
+    on_gpu = torch.cuda.is_available() and not tiny
+    device = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
+    gpus = torch.cuda.device_count() if on_gpu else 1
+    seq_len, micro = batch["seq_len"], batch["micro_batch_size"] * gpus
+    accumulation = batch["global_batch_size"] // micro
+    config = GPT2Config(vocab_size=batch["vocab_size"], n_positions=seq_len, n_embd=shape["n_embd"],
+                        n_layer=shape["n_layer"], n_head=shape["n_head"], resid_pdrop=0.0, embd_pdrop=0.0,
+                        attn_pdrop=0.0, use_cache=False, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(1337)
+    attention = train_ddp.choose_attention("auto", device, "causal")
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attention).to(device)
+    parallel = torch.nn.DataParallel(model) if on_gpu else model
+    optimizer = torch.optim.AdamW(model.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=on_gpu)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=on_gpu)
+    torch.set_float32_matmul_precision("high")
+    tokens = np.memmap(random_token_data(batch, tiny) / "train.bin", dtype=np.uint16, mode="r")
+    blocks = len(tokens) // seq_len
+    start = None
+    for step in range(1, stage["steps"] + 1):
+        for index in range(accumulation):
+            first = ((step * accumulation + index) * micro) % (blocks - micro)
+            ids = torch.from_numpy(tokens[first * seq_len:(first + micro) * seq_len].astype(np.int64))
+            ids = ids.view(micro, seq_len).to(device, non_blocking=True)
+            with autocast:
+                loss = parallel(input_ids=ids, labels=ids).loss.mean()  # one loss per GPU, gathered on GPU 0
+            (loss / accumulation).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step in (stage["skip_steps"], stage["steps"]):
+            if on_gpu:
+                torch.cuda.synchronize()
+            if step == stage["skip_steps"]:
+                start = time.perf_counter()
+            else:
+                seconds = time.perf_counter() - start
+    result = {"tokens_per_sec": (stage["steps"] - stage["skip_steps"]) * tokens_per_step(batch) / seconds,
+              "window": f"steps {stage['skip_steps'] + 1}-{stage['steps']}", "window_s": round(seconds, 2),
+              "gpus": gpus, "attention": attention, "loss_last": loss.item(),
+              "peak_mem_gib_per_gpu": [torch.cuda.max_memory_allocated(i) / 2**30 for i in range(gpus)] if on_gpu else None}
+    print("DATAPARALLEL_RESULT " + json.dumps(result), flush=True)
+
+
+SIDE_RUNNERS = {"dataparallel": run_dataparallel, "ours": run_ours, "ours_fsdp": run_ours, "ours_tiered": run_ours, "nanogpt": run_nanogpt,
                 "hf_trainer": run_hf_trainer, "hf_trainer_compiled": run_hf_trainer}
 
 
@@ -746,6 +825,23 @@ def figures(stage_records):
                 f"max_memory_allocated {memory['peak_bytes'] / 2**20:,.0f} MiB: activations and temporaries "
                 f"{(memory['peak_bytes'] - memory['predicted_bytes']) / 2**20:,.0f} MiB above the prediction; "
                 f"reserved {memory['reserved_bytes'] / 2**20:,.0f} MiB")
+    llama = by_stage.get("llama_shapeA_1gpu", {})
+    if llama.get("config:llama"):
+        gpt2 = llama.get("ours") or {}
+        row("llama_vs_gpt2_shapeA_1gpu_tokens_per_sec", llama["config:llama"].get("tokens_per_sec"), "tokens/s",
+            "GPT-2 (the default model.type), same shape, same call", gpt2.get("tokens_per_sec"),
+            llama["config:llama"].get("command"), gpt2.get("command"), llama["config:llama"],
+            f"parameters {llama['config:llama'].get('parameters_millions')}M vs {gpt2.get('parameters_millions')}M; "
+            f"MFU {number(llama['config:llama'].get('mfu'), 3)} vs {number(gpt2.get('mfu'), 3)}; last logged loss "
+            f"{number(llama['config:llama'].get('loss_last'), 4)} vs {number(gpt2.get('loss_last'), 4)}")
+    parallel = by_stage.get("dataparallel_shapeA_2gpu", {})
+    if parallel.get("dataparallel"):
+        ddp = parallel.get("config:eager") or {}
+        row("dataparallel_vs_ddp_shapeA_2gpu_tokens_per_sec", parallel["dataparallel"].get("tokens_per_sec"),
+            "tokens/s", "DDP (train_ddp.py, train.compile=false), same model and batch, same call",
+            ddp.get("tokens_per_sec"), parallel["dataparallel"].get("command"), ddp.get("command"),
+            parallel["dataparallel"], f"peak memory per GPU: DataParallel {parallel['dataparallel'].get('peak_mem_gib_per_gpu')} "
+                                      f"GiB, DDP (rank 0) {ddp.get('peak_mem_gib')} GiB")
     ours_a = by_stage.get("shapeA_1gpu", {}).get("ours")
     if ours_a:
         wait = ours_a.get("data_wait_fraction")
@@ -973,10 +1069,14 @@ def main():
     parser.add_argument("--no-record", action="store_true", help="write $OUT only, not bench/RESULTS.md")
     parser.add_argument("--record", nargs="+", metavar="DIR", help="append DIR/stages.jsonl (earlier runs) to bench/")
     parser.add_argument("--hf-trainer-worker", metavar="STAGE", help=argparse.SUPPRESS)
+    parser.add_argument("--dataparallel-worker", metavar="STAGE", help=argparse.SUPPRESS)
     args = parser.parse_args()
 
     if args.hf_trainer_worker:
         hf_trainer_worker(args.hf_trainer_worker, args.tiny)
+        return
+    if args.dataparallel_worker:
+        dataparallel_worker(args.dataparallel_worker, args.tiny)
         return
     if args.record:
         stage_records = [json.loads(line) for directory in args.record
