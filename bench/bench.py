@@ -399,6 +399,8 @@ def variant_script(name):
 def run_ours(stage_name, stage, shape, batch, tiny, port, log, side="ours"):
     if tiny and "train.precision=fp16" in SIDE_OVERRIDES.get(side, []):
         return {"status": "skipped: fp16 needs a GPU"}
+    if tiny and side == "variant:sync_debug":  # torch.cuda.set_sync_debug_mode asserts without CUDA
+        return {"status": "skipped: sync debug mode needs a GPU"}
     run_dir = WORK_DIR / stage_name / side.replace(":", "_").replace("#", "_")
     remove_tree(run_dir)  # a checkpoint left there would be resumed (checkpoint.resume=auto) and train no step
     env_extra = {**device_env(stage["gpus"], tiny), "NPROC_PER_NODE": str(stage["gpus"]), "MASTER_PORT": str(port),
