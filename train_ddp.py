@@ -262,11 +262,11 @@ def main():
     embedding_reported = False
     with data_wait:
         next_batches = rank_batches(train_data, samples_seen, cfg.train.seed, cfg, world_size, rank, device)
-        if tiered:  # tiered
+        if tiered:  # tiered: the first step's CPU rows, on their way to the GPU
             tiered.stage(next_batches[0], step_input_ids(train_data, samples_seen, cfg, world_size, next_batches[0]))
     while step < cfg.train.max_steps:
         micro_batches, step_input_tokens, step_label_tokens, step_lengths = next_batches
-        if tiered:  # tiered: the step's CPU rows, staged during the last step, join the GPU rows it updated
+        if tiered:  # tiered: the step's CPU rows on the GPU: as staged, or as the last step updated them there
             tiered.start_step()
         if fault("kill", step + 1):  # FAULT
             os.kill(os.getpid(), signal.SIGKILL)  # FAULT
