@@ -296,6 +296,8 @@ def main():
                 loss_sum = loss_sum * float("nan")  # FAULT
             scaler.scale(loss_sum * loss_scale).backward()
             step_loss_sum += loss_sum.detach()
+            if tiered and index == 0:  # tiered: the rows the last step updated go into the CPU tables now, while
+                tiered.write_to_tables()  # the GPU has this micro-batch to run, not at the step's end with stage()
         # the next step's batches, built on the host while the GPU still runs this step's backward; data_wait
         # counts what that costs the device: on a GPU only the time it sits idle waiting for them
         with data_wait:
@@ -1082,8 +1084,8 @@ class TieredEmbedding(torch.nn.Module):  # tiered
     `stage` gathers them on the host while the GPU still runs the step before, `start_step` makes them one GPU
     tensor `rows` (with their moments and step counts) that every micro-batch's forward reads and whose .grad
     the backward passes fill; `reduce_gradients` all-reduces that gradient as DDP does the hot rows'; `step`
-    applies lazy AdamW to them on the GPU and copies them back to the host on the side stream, where the next
-    `stage` writes them into the CPU tables. The tier map: token id i is row slot_of_id[i] of hot_weight if that
+    applies lazy AdamW to them on the GPU and copies them back to the host on the side stream, and
+    `write_to_tables` puts them into the CPU tables during the next step. The tier map: token id i is row slot_of_id[i] of hot_weight if that
     is below hot_rows, else row slot_of_id[i] - hot_rows of the CPU tables.
     """
 
@@ -1122,7 +1124,7 @@ class TieredEmbedding(torch.nn.Module):  # tiered
         still in CPU memory), `step_ids` every input id of the global batch (step_input_ids). Called while the
         GPU runs the step before, so the host work and the copies overlap it. Rows that step also holds are not
         copied: start_step takes them from the GPU after that step's update, which the CPU tables do not have yet."""
-        self.write_to_tables()  # the update of the step before the running one: its rows may be gathered below
+        self.write_to_tables()  # if not done yet: the last update, whose rows may be gathered below
         step_slots = self.slot_of_id[step_ids]
         slots = torch.unique(step_slots[step_slots >= self.hot_rows])  # sorted; the same on every rank
         table_indices = []  # per micro-batch and position: its row in cat([hot_weight, this step's cold rows])
@@ -1234,7 +1236,7 @@ class TieredEmbedding(torch.nn.Module):  # tiered
         correction) on the cold rows of this step, each row a parameter of its own with its own step count. A
         row used at every step is updated as AdamW updates a dense table; an unused row keeps its weight and
         moments, where dense AdamW would decay both at every step, which would touch every row. Then the rows
-        go back to the host on the side stream; the host writes them into the CPU tables at the next stage()."""
+        go back to the host on the side stream, for write_to_tables."""
         state = self.current
         weight, grad = state.rows, state.rows.grad
         state.steps += 1
@@ -1261,8 +1263,9 @@ class TieredEmbedding(torch.nn.Module):  # tiered
         self.written = SimpleNamespace(rows=state.slots - self.hot_rows, values=updated, done=done)
 
     def write_to_tables(self):
-        """Put the rows the last step() updated into the CPU tables (waiting for their copy, long done by the
-        time the next stage() asks). Before every read of the tables: stage, validation, checkpoint, export."""
+        """Put the rows the last step() updated into the CPU tables, waiting for their copy (queued behind that
+        update). train_ddp.py calls it once the next step's first micro-batch is queued, so the GPU has work
+        meanwhile; stage(), validation, checkpoints and the export call it too, before they read the tables."""
         written, self.written = self.written, None
         if written is None:
             return
