@@ -1275,11 +1275,16 @@ def test_tier_map_puts_the_most_frequent_ids_on_the_gpu_with_ties_to_the_lower_i
     assert torch.equal(tiered.hot_weight.detach(), plain.weight.detach()[[1, 2, 4, 0]])
     assert torch.equal(tiered.cold_weight, plain.weight.detach()[[3, 5, 6, 7]])
     ids = torch.tensor([[0, 3, 4, 6, 3], [7, 1, 6, 5, 0]])
-    assert torch.equal(tiered(ids), plain(ids))
-    tiered(ids).pow(2).sum().backward()
+    with torch.no_grad():  # validation's path: the rows straight from the CPU tables
+        assert torch.equal(tiered(ids), plain(ids))
+    tiered.stage([{"host_input_ids": ids}], ids.flatten())  # training's path: the step's rows staged, then started
+    tiered.start_step()
+    assert torch.equal(tiered.cold_ids[tiered.current.slots - 4], torch.tensor([3, 5, 6, 7]))  # the batch's cold ids
+    looked_up = tiered(ids)
+    assert torch.equal(looked_up, plain(ids))
+    looked_up.pow(2).sum().backward()
     plain(ids).pow(2).sum().backward()
-    (touched,) = tiered.reduce_gradients(world_size=1, device=torch.device("cpu"))
-    assert torch.equal(tiered.cold_ids[tiered.pending[0]], torch.tensor([3, 5, 6, 7]))  # the cold ids in the batch
+    (touched,) = tiered.reduce_gradients(world_size=1)
     assert torch.allclose(touched.grad, plain.weight.grad[[3, 5, 6, 7]])  # the padding row 6: no gradient in both
     assert torch.allclose(tiered.hot_weight.grad, plain.weight.grad[[1, 2, 4, 0]])
     assert torch.equal(tiered.merged().weight, plain.weight.detach())

@@ -273,8 +273,12 @@ def main():
     memory_report_step = min(step + 2, cfg.train.max_steps)
     with data_wait:
         next_batches = rank_batches(train_data, samples_seen, cfg.train.seed, cfg, world_size, rank, device)
+        if tiered:  # tiered: the first step's CPU rows, on their way to the GPU
+            tiered.stage(next_batches[0], step_input_ids(train_data, samples_seen, cfg, world_size, next_batches[0]))
     while step < cfg.train.max_steps:
         micro_batches, step_input_tokens, step_label_tokens, step_lengths = next_batches
+        if tiered:  # tiered: the step's CPU rows on the GPU: as staged, or as the last step updated them there
+            tiered.start_step()
         if fault("kill", step + 1):  # FAULT
             os.kill(os.getpid(), signal.SIGKILL)  # FAULT
         if fault("hang", step + 1):  # FAULT
@@ -289,8 +293,6 @@ def main():
         step_loss_sum = torch.zeros((), device=device, dtype=torch.float64)
         for index, batch in enumerate(micro_batches):
             is_last = index == len(micro_batches) - 1
-            if tiered:  # tiered: the CPU rows of this micro-batch start their copy while the GPU ends the last one
-                tiered.prefetch(batch["host_input_ids"])
             # accumulate unsharded gradients locally (memory: a full gradient per rank until the last micro-batch);
             # only the last backward reduce-scatters, overlapped with compute
             raw_model.set_requires_gradient_sync(is_last)
@@ -305,6 +307,8 @@ def main():
             # H200: allocated after the update 1,736 MiB with the name kept, against 1,406 MiB of state)
             del logits
             step_loss_sum += loss_sum.detach()
+            if tiered and index == 0:  # tiered: the rows the last step updated go into the CPU tables now, while
+                tiered.write_to_tables()  # the GPU has this micro-batch to run, not at the step's end with stage()
         # the next step's batches, built on the host while the GPU still runs this step's backward; data_wait
         # counts what that costs the device: on a GPU only the time it sits idle waiting for them
         with data_wait:
@@ -312,9 +316,12 @@ def main():
                 time.sleep(2)  # FAULT
             next_batches = rank_batches(train_data, samples_seen + cfg.train.global_batch_size, cfg.train.seed, cfg,
                                         world_size, rank, device)
+            if tiered:  # tiered: and its CPU rows, gathered and on their way to the GPU
+                tiered.stage(next_batches[0], step_input_ids(train_data, samples_seen + cfg.train.global_batch_size,
+                                                             cfg, world_size, next_batches[0]))
         scaler.unscale_(optimizer)  # clip the true gradient, not the fp16-scaled one
-        # tiered: the CPU rows' gradient, from every rank, counted into the one global norm (both wait for the GPU)
-        cold_rows = tiered.reduce_gradients(world_size, device) if tiered else []
+        # tiered: the gradient of the step's CPU rows, from every rank, counted into the one global norm
+        cold_rows = tiered.reduce_gradients(world_size) if tiered else []
         # the norm over all shards (a DTensor); full_tensor() gives every rank the same plain tensor
         grad_norm = torch.nn.utils.clip_grad_norm_([*raw_model.parameters(), *cold_rows],
                                                    cfg.optim.grad_clip or float("inf")).full_tensor()
@@ -337,7 +344,7 @@ def main():
         else:
             bad_steps_in_a_row = 0
             scaler.step(optimizer)  # fp16: also skips steps whose scaled gradients overflowed
-            if tiered:  # tiered: lazy AdamW on the CPU rows this step touched, at this step's learning rate
+            if tiered:  # tiered: lazy AdamW on the CPU rows of this step (on the GPU), at this step's learning rate
                 tiered.step(optimizer.param_groups[0]["lr"], cfg.optim)
             if not embedding_reported:  # once, while its gradients and optimizer state exist
                 held = embedding_memory(raw_model, optimizer)
@@ -1088,12 +1095,14 @@ class TieredEmbedding(torch.nn.Module):  # tiered
     """An input embedding split by token frequency (model.embedding_gpu_rows; README: tiered embedding).
 
     Hot rows (the most frequent ids) form one GPU parameter, `hot_weight`: DDP reduces its gradient and the
-    trainer's AdamW updates it, as any weight. Cold rows (all others) stay in CPU memory. Before each forward
-    pass the host gathers the cold rows of that micro-batch into pinned memory and copies them to the GPU on a
-    side stream (`prefetch`); after the backward pass their gradients come back to the CPU, summed over the
-    micro-batches and ranks (`reduce_gradients`), and lazy AdamW updates the touched rows only, on the CPU
-    (`step`). The tier map: token id i is row slot_of_id[i] of hot_weight if that is below hot_rows, else row
-    slot_of_id[i] - hot_rows of cold_weight.
+    trainer's AdamW updates it, as any weight. Cold rows (all others) live in CPU memory with their lazy AdamW
+    state. A step's cold rows, those of every id in the global batch (all ranks'), go to the GPU once per step:
+    `stage` gathers them on the host while the GPU still runs the step before, `start_step` makes them one GPU
+    tensor `rows` (with their moments and step counts) that every micro-batch's forward reads and whose .grad
+    the backward passes fill; `reduce_gradients` all-reduces that gradient as DDP does the hot rows'; `step`
+    applies lazy AdamW to them on the GPU and copies them back to the host on the side stream, and
+    `write_to_tables` puts them into the CPU tables during the next step. The tier map: token id i is row slot_of_id[i] of hot_weight if that
+    is below hot_rows, else row slot_of_id[i] - hot_rows of the CPU tables.
     """
 
     def __init__(self, embedding, hot_ids, device):
@@ -1104,17 +1113,16 @@ class TieredEmbedding(torch.nn.Module):  # tiered
         self.hot_weight = torch.nn.Parameter(weight[self.hot_ids].clone())
         # Plain attributes, not parameters or buffers: model.to(device) leaves them in CPU memory, DDP neither
         # reduces nor broadcasts them, and the state dict gets them from get_extra_state. Ordinary memory, not
-        # pinned: a copy to the GPU reads the pinned buffer the rows are gathered into, never the table.
+        # pinned: copies read and write the pinned buffers the rows are gathered into, never the tables.
         self.cold_weight = weight[self.cold_ids].clone()
         self.cold_exp_avg = torch.zeros_like(self.cold_weight)
         self.cold_exp_avg_sq = torch.zeros_like(self.cold_weight)
         self.cold_steps = torch.zeros(len(self.cold_ids), dtype=torch.long)  # lazy AdamW: each row counts its own
         # one side stream, made once: every copy goes on it, in order, beside the compute on the main stream
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.staged = []  # prefetched micro-batches, in the order the forward passes use them
-        self.touched = []  # (cold slots, their rows on the device) of each forward pass since reduce_gradients
-        self.pending = None  # (cold rows, their values with .grad) from reduce_gradients to step
-        self.buffers = {}  # CPU work space kept between steps, see buffer()
+        self.staged = None  # the next step's rows, on their way to the GPU (stage -> start_step)
+        self.current = None  # this step's rows on the GPU (start_step), updated there by step
+        self.written = None  # the rows step last updated, copied back to the host, not yet in the CPU tables
 
     def set_tiers(self, hot_ids, vocab_rows):
         is_hot = torch.zeros(vocab_rows, dtype=torch.bool)
@@ -1124,117 +1132,180 @@ class TieredEmbedding(torch.nn.Module):  # tiered
         self.slot_of_id[self.hot_ids] = torch.arange(self.hot_rows)
         self.slot_of_id[self.cold_ids] = torch.arange(self.hot_rows, vocab_rows)
 
-    def prefetch(self, host_input_ids):
-        """Start copying the cold rows of a micro-batch (its ids still in CPU memory) to the GPU, for the next
-        forward pass; the copy runs while the GPU still computes the micro-batch before."""
-        self.staged.append(self.stage(host_input_ids))
+    def cold_tables(self):
+        return [self.cold_weight, self.cold_exp_avg, self.cold_exp_avg_sq, self.cold_steps]
 
-    def stage(self, host_input_ids):
-        slots = self.slot_of_id[host_input_ids]
-        is_cold = slots >= self.hot_rows
-        cold_slots, position = torch.unique(slots[is_cold], return_inverse=True)  # each cold row once, sorted
-        table_index = slots.clone()  # per position: its row in cat([hot_weight, the gathered cold rows])
-        table_index[is_cold] = self.hot_rows + position
-        rows = torch.empty((len(cold_slots), self.width), pin_memory=self.copy_stream is not None)
-        torch.index_select(self.cold_weight, 0, cold_slots - self.hot_rows, out=rows)
-        padding_index = None  # nn.Embedding(padding_idx=) sends no gradient to that row: the same here
-        if self.padding_idx is not None:
-            pad_slot = int(self.slot_of_id[self.padding_idx])
-            found = int(torch.searchsorted(cold_slots, pad_slot))
-            if pad_slot < self.hot_rows:
-                padding_index = pad_slot
-            elif found < len(cold_slots) and int(cold_slots[found]) == pad_slot:
-                padding_index = self.hot_rows + found
+    def stage(self, micro_batches, step_ids):
+        """Start copying the cold rows of the next step to the GPU: `micro_batches` are this rank's (their ids
+        still in CPU memory), `step_ids` every input id of the global batch (step_input_ids). Called while the
+        GPU runs the step before, so the host work and the copies overlap it. Rows that step also holds are not
+        copied: start_step takes them from the GPU after that step's update, which the CPU tables do not have yet."""
+        self.write_to_tables()  # if not done yet: the last update, whose rows may be gathered below
+        step_slots = self.slot_of_id[step_ids]
+        slots = torch.unique(step_slots[step_slots >= self.hot_rows])  # sorted; the same on every rank
+        table_indices = []  # per micro-batch and position: its row in cat([hot_weight, this step's cold rows])
+        for batch in micro_batches:
+            index = self.slot_of_id[batch["host_input_ids"]]
+            is_cold = index >= self.hot_rows
+            index[is_cold] = self.hot_rows + torch.searchsorted(slots, index[is_cold])
+            table_indices.append(index)
+        previous = self.current.slots if self.current is not None else slots[:0]
+        place = torch.searchsorted(previous, slots).clamp_(max=max(0, len(previous) - 1))
+        carried = previous[place] == slots if len(previous) else torch.zeros(len(slots), dtype=torch.bool)
+        fresh_rows = slots[~carried] - self.hot_rows
+        pin = self.copy_stream is not None  # a copy from pageable memory would make the host wait for it
+        fresh = [torch.index_select(table, 0, fresh_rows, out=torch.empty((len(fresh_rows), *table.shape[1:]),
+                                                                          dtype=table.dtype, pin_memory=pin))
+                 for table in self.cold_tables()]
+        positions = [(~carried).nonzero().flatten(), carried.nonzero().flatten(), place[carried]]
         ready = None
         if self.copy_stream is not None:
-            # The pinned buffers are freed when this returns, their copies maybe still running: the caching host
-            # allocator records an event with each copy and reuses a block only after it (PyTorch's
-            # aten/src/ATen/cuda/CachingHostAllocator.h), so no buffer in flight is overwritten.
-            table_index = table_index.pin_memory()
+            # A pinned buffer freed here while its copy may still run is reused only after that copy: the caching
+            # host allocator records an event with each copy (PyTorch's aten/src/ATen/cuda/CachingHostAllocator.h).
+            # GPU memory allocated on the side stream is marked with record_stream in start_step, where it is read.
             with torch.cuda.stream(self.copy_stream):
-                table_index = table_index.to(self.device, non_blocking=True)
-                rows = rows.to(self.device, non_blocking=True)
+                table_indices, fresh, positions = ([tensor.pin_memory().to(self.device, non_blocking=True)
+                                                    for tensor in tensors] for tensors in (table_indices, fresh, positions))
                 ready = torch.cuda.Event()
                 ready.record()
-        return SimpleNamespace(shape=host_input_ids.shape, table_index=table_index, rows=rows,
-                               cold_slots=cold_slots, padding_index=padding_index, ready=ready)
+        self.staged = SimpleNamespace(slots=slots, table_indices=table_indices, fresh=fresh, positions=positions,
+                                      previous=self.current, padding_index=self.padding_index(slots), ready=ready)
 
-    @torch.compiler.disable  # host work (a list, stream events) Dynamo cannot trace: the compiled graph breaks here
-    def forward(self, input_ids):
-        # validation and generate() call the model without a prefetch: staged here, waiting for the GPU once
-        staged = self.staged.pop(0) if self.staged else self.stage(input_ids.cpu())
-        if staged.shape != input_ids.shape:
-            raise RuntimeError(f"TieredEmbedding: prefetched a batch of {tuple(staged.shape)}, "
-                               f"got one of {tuple(input_ids.shape)}")
+    def padding_index(self, cold_slots):
+        """The row of padding_idx in cat([hot_weight, the rows of cold_slots]), or None where it is absent:
+        nn.Embedding(padding_idx=) sends no gradient to that row, and neither does this module."""
+        if self.padding_idx is None:
+            return None
+        pad_slot = int(self.slot_of_id[self.padding_idx])
+        if pad_slot < self.hot_rows:
+            return pad_slot
+        found = int(torch.searchsorted(cold_slots, pad_slot))
+        return self.hot_rows + found if found < len(cold_slots) and int(cold_slots[found]) == pad_slot else None
+
+    @torch.no_grad()
+    def start_step(self):
+        """Make the staged rows this step's GPU tensors: the copied ones, and those the step before also held
+        taken from its updated tensors on the GPU. No wait for the host: the compute stream waits for the copy."""
+        staged, self.staged = self.staged, None
+        fresh_at, carried_at, carried_from = staged.positions
         if staged.ready is not None:
             compute_stream = torch.cuda.current_stream(self.device)
-            compute_stream.wait_event(staged.ready)  # nothing below runs before the copy has landed; the host goes on
-            # memory allocated on the side stream and read here: without record_stream the allocator could give
-            # it to the next copy as soon as it is freed, while kernels queued here still read it
-            for tensor in (staged.table_index, staged.rows):
-                if tensor.numel():  # a batch without CPU rows copies an empty tensor, which has no memory
+            compute_stream.wait_event(staged.ready)
+            # allocated on the side stream and read here: without record_stream the allocator could give this
+            # memory to the next copy as soon as it is freed, while kernels queued here still read it
+            for tensor in [*staged.table_indices, *staged.fresh, *staged.positions]:
+                if tensor.numel():  # an empty tensor has no memory
                     tensor.record_stream(compute_stream)
-        rows = staged.rows
-        if torch.is_grad_enabled():
-            rows.requires_grad_()  # a leaf: the backward pass leaves the gradient of these rows in rows.grad
-            self.touched.append((staged.cold_slots, rows))
-        return F.embedding(staged.table_index, torch.cat([self.hot_weight, rows]), padding_idx=staged.padding_index)
+        previous = staged.previous
+        state = []
+        for index, fresh in enumerate(staged.fresh):
+            values = torch.empty((len(staged.slots), *fresh.shape[1:]), dtype=fresh.dtype, device=self.device)
+            values[fresh_at] = fresh
+            if len(carried_at):
+                values[carried_at] = [previous.rows, previous.exp_avg, previous.exp_avg_sq, previous.steps][index][carried_from]
+            state.append(values)
+        rows, exp_avg, exp_avg_sq, steps = state
+        rows.requires_grad_()  # a leaf: the backward passes of the step's micro-batches sum its gradient in rows.grad
+        self.current = SimpleNamespace(slots=staged.slots, rows=rows, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq,
+                                       steps=steps, table_indices=staged.table_indices,
+                                       padding_index=staged.padding_index)
 
-    def buffer(self, name, rows):
-        """A (rows, width) CPU tensor, a view of one kept from step to step: a new tensor of this size at every
-        step costs its page faults every time (measured on the 2-core test machine: 21 ms to first touch 13,600
-        rows x 768, 4 ms to write them again). Pinned on a GPU machine, where a copy from the GPU lands in it."""
-        if name not in self.buffers or len(self.buffers[name]) < rows:
-            self.buffers[name] = torch.empty((rows + rows // 4, self.width), pin_memory=self.copy_stream is not None)
-        return self.buffers[name][:rows]
+    @torch.compiler.disable  # host work (a list, CPU tensors) Dynamo cannot trace: the compiled graph breaks here
+    def forward(self, input_ids):
+        if self.current is not None and self.current.table_indices:  # a micro-batch of the step, staged
+            table_index = self.current.table_indices.pop(0)
+            if table_index.shape != input_ids.shape:
+                raise RuntimeError(f"TieredEmbedding: staged a micro-batch of {tuple(table_index.shape)}, "
+                                   f"got one of {tuple(input_ids.shape)}")
+            return F.embedding(table_index, torch.cat([self.hot_weight, self.current.rows]),
+                               padding_idx=self.current.padding_index)
+        if torch.is_grad_enabled():  # its cold rows would get no gradient and no update
+            raise RuntimeError("TieredEmbedding: a training forward pass needs its micro-batch staged -> call "
+                               "stage(micro_batches, step_ids) and start_step() before the step, as train_ddp.py does")
+        # validation and generate(): the rows of this batch from the CPU tables, which first get the last update;
+        # waits for the GPU once per call
+        self.write_to_tables()
+        slots = self.slot_of_id[input_ids.cpu()]
+        is_cold = slots >= self.hot_rows
+        cold_slots, position = torch.unique(slots[is_cold], return_inverse=True)
+        slots[is_cold] = self.hot_rows + position
+        rows = self.cold_weight[cold_slots - self.hot_rows].to(self.device)
+        return F.embedding(slots.to(self.device), torch.cat([self.hot_weight, rows]),
+                           padding_idx=self.padding_index(cold_slots))
 
-    def reduce_gradients(self, world_size, device):
-        """The gradient of the cold rows the step touched, summed over micro-batches and ranks and divided by
-        world_size, as DDP averages the hot rows' gradient. Returns [the touched rows' values, a CPU tensor whose
-        .grad is that gradient], so that clip_grad_norm_ counts it into the one global norm. Every rank gets the
-        same numbers: each sums the same gathered values in the same order, on the CPU."""
-        slots = torch.cat([cold_slots for cold_slots, _ in self.touched])
-        grads = torch.cat([rows.grad if rows.grad is not None else torch.zeros_like(rows) for _, rows in self.touched])
-        self.touched = []
-        padding_slot = len(self.slot_of_id)  # above every real slot: torch.unique sorts it last
-        if world_size > 1:  # ranks touch different rows: every rank's (slot, gradient) pairs go to every rank
-            slots, grads = gather_from_ranks(slots.to(device), grads.detach(), world_size, padding_slot)
-        slots, grads = slots.cpu(), self.buffer("grads", len(grads)).copy_(grads)  # waits for the backward pass
-        unique_slots, position = torch.unique(slots, return_inverse=True)
-        summed = self.buffer("summed", len(unique_slots)).zero_().index_add_(0, position, grads).div_(world_size)
-        real = len(unique_slots) - int(unique_slots[-1] == padding_slot) if len(unique_slots) else 0
-        rows = unique_slots[:real] - self.hot_rows
-        touched = torch.index_select(self.cold_weight, 0, rows, out=self.buffer("touched", real))
-        touched.grad = summed[:real]
-        self.pending = rows, touched
-        return [touched]
+    def reduce_gradients(self, world_size):
+        """The gradient of this step's cold rows, summed over micro-batches (by autograd) and ranks and divided by
+        world_size, as DDP averages the hot rows' gradient. Every rank holds the same rows in the same order, so
+        one all_reduce does it, on the GPU, with no wait for the host. Returns [the rows], whose .grad that is,
+        so that clip_grad_norm_ counts it into the one global norm."""
+        rows = self.current.rows
+        if rows.grad is None:  # a step without cold rows
+            rows.grad = torch.zeros_like(rows)
+        if world_size > 1 and rows.numel():  # every rank has the same row count: all skip alike
+            dist.all_reduce(rows.grad)
+            rows.grad.div_(world_size)
+        return [rows]
 
     @torch.no_grad()
     def step(self, lr, optim):
-        """Lazy AdamW on the CPU: torch.optim.AdamW's formula (decoupled weight decay, both moments, bias
-        correction) on the cold rows this step touched, each row a parameter of its own with its own step
-        count. A row touched at every step is updated as AdamW updates a dense table; an untouched row keeps its
-        weight and moments, where dense AdamW would decay both at every step, which would touch every row."""
-        rows, weight = self.pending
-        grad, self.pending = weight.grad, None
-        steps = self.cold_steps[rows] + 1
-        self.cold_steps[rows] = steps
-        exp_avg = torch.index_select(self.cold_exp_avg, 0, rows, out=self.buffer("exp_avg", len(rows)))
-        exp_avg_sq = torch.index_select(self.cold_exp_avg_sq, 0, rows, out=self.buffer("exp_avg_sq", len(rows)))
+        """Lazy AdamW, on the GPU: torch.optim.AdamW's formula (decoupled weight decay, both moments, bias
+        correction) on the cold rows of this step, each row a parameter of its own with its own step count. A
+        row used at every step is updated as AdamW updates a dense table; an unused row keeps its weight and
+        moments, where dense AdamW would decay both at every step, which would touch every row. Then the rows
+        go back to the host on the side stream, for write_to_tables."""
+        state = self.current
+        weight, grad = state.rows, state.rows.grad
+        state.steps += 1
         weight.mul_(1 - lr * optim.weight_decay)
-        exp_avg.lerp_(grad, 1 - optim.beta1)
-        exp_avg_sq.mul_(optim.beta2).addcmul_(grad, grad, value=1 - optim.beta2)
-        step_size = (lr / (1 - optim.beta1 ** steps.double())).float()[:, None]
-        bias_correction2_sqrt = (1 - optim.beta2 ** steps.double()).sqrt().float()[:, None]
-        denominator = torch.sqrt(exp_avg_sq, out=self.buffer("denominator", len(rows)))
-        denominator.div_(bias_correction2_sqrt).add_(optim.eps)
-        weight.sub_(torch.div(exp_avg, denominator, out=denominator).mul_(step_size))  # AdamW: - step_size * m / denom
-        self.cold_weight.index_copy_(0, rows, weight)
-        self.cold_exp_avg.index_copy_(0, rows, exp_avg)
-        self.cold_exp_avg_sq.index_copy_(0, rows, exp_avg_sq)
+        state.exp_avg.lerp_(grad, 1 - optim.beta1)
+        state.exp_avg_sq.mul_(optim.beta2).addcmul_(grad, grad, value=1 - optim.beta2)
+        step_size = (lr / (1 - optim.beta1 ** state.steps.double())).float()[:, None]
+        bias_correction2_sqrt = (1 - optim.beta2 ** state.steps.double()).sqrt().float()[:, None]
+        denominator = state.exp_avg_sq.sqrt().div_(bias_correction2_sqrt).add_(optim.eps)
+        weight.sub_(torch.div(state.exp_avg, denominator).mul_(step_size))  # AdamW: - step_size * m / denom
+        updated = [weight.detach(), state.exp_avg, state.exp_avg_sq, state.steps]
+        done = None
+        if self.copy_stream is not None:
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))  # after the update
+            with torch.cuda.stream(self.copy_stream):
+                host = [torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True) for tensor in updated]
+                for target, tensor in zip(host, updated):
+                    target.copy_(tensor, non_blocking=True)
+                    tensor.record_stream(self.copy_stream)  # freed by the next start_step, maybe before this copy ends
+                done = torch.cuda.Event()
+                done.record()
+            updated = host
+        # on a CPU the tensors themselves: start_step builds new ones, so nothing writes these before they are read
+        self.written = SimpleNamespace(rows=state.slots - self.hot_rows, values=updated, done=done)
+
+    def write_to_tables(self):
+        """Put the rows the last step() updated into the CPU tables, waiting for their copy (queued behind that
+        update). train_ddp.py calls it once the next step's first micro-batch is queued, so the GPU has work
+        meanwhile; stage(), validation, checkpoints and the export call it too, before they read the tables."""
+        written, self.written = self.written, None
+        if written is None:
+            return
+        if written.done is not None:
+            written.done.synchronize()
+        for table, values in zip(self.cold_tables(), written.values):
+            table.index_copy_(0, written.rows, values)
+
+    def held_tensors(self):
+        """Every tensor the module holds beside hot_weight: the CPU tables, and the rows of the step and the next
+        on the GPU and their copies back (for embedding_memory)."""
+        held = self.cold_tables()
+        if self.current is not None:
+            held += [self.current.rows, self.current.exp_avg, self.current.exp_avg_sq, self.current.steps]
+            held += [self.current.rows.grad] if self.current.rows.grad is not None else []
+        if self.staged is not None:
+            held += self.staged.fresh
+        if self.written is not None and self.written.done is not None:
+            held += self.written.values
+        return held
 
     def get_extra_state(self):
         """The cold rows, their lazy AdamW state and the tier map go into the model's state dict (model.pt)."""
+        self.write_to_tables()
         return {"hot_ids": self.hot_ids, "cold_weight": self.cold_weight, "cold_exp_avg": self.cold_exp_avg,
                 "cold_exp_avg_sq": self.cold_exp_avg_sq, "cold_steps": self.cold_steps}
 
@@ -1246,31 +1317,27 @@ class TieredEmbedding(torch.nn.Module):  # tiered
         self.set_tiers(state["hot_ids"], len(self.slot_of_id))
         self.cold_weight, self.cold_exp_avg = state["cold_weight"], state["cold_exp_avg"]
         self.cold_exp_avg_sq, self.cold_steps = state["cold_exp_avg_sq"], state["cold_steps"]
+        self.staged = self.current = self.written = None  # rows of the old tables: not to be carried over
 
     def merged(self):
         """One nn.Embedding in token id order, as transformers' save_pretrained and from_pretrained expect."""
+        self.write_to_tables()
         weight = torch.empty((len(self.slot_of_id), self.width))
         weight[self.hot_ids] = self.hot_weight.detach().cpu()
         weight[self.cold_ids] = self.cold_weight
         return torch.nn.Embedding.from_pretrained(weight, freeze=False, padding_idx=self.padding_idx)
 
 
-def gather_from_ranks(slots, grads, world_size, padding_slot):  # tiered
-    """Every rank's (slot, gradient row) pairs on every rank, in rank order. all_gather needs one size: each
-    rank pads to the longest (padding_slot, zero gradient) first, so a step sends world_size x that many rows to
-    every rank."""
-    longest = torch.tensor([len(slots)], device=slots.device)
-    dist.all_reduce(longest, op=dist.ReduceOp.MAX)
-    longest = int(longest)
-    padded_slots = torch.full((longest,), padding_slot, dtype=torch.long, device=slots.device)
-    padded_slots[:len(slots)] = slots
-    padded_grads = torch.zeros((longest, grads.shape[1]), dtype=grads.dtype, device=grads.device)
-    padded_grads[:len(grads)] = grads
-    all_slots = [torch.empty_like(padded_slots) for _ in range(world_size)]
-    all_grads = [torch.empty_like(padded_grads) for _ in range(world_size)]
-    dist.all_gather(all_slots, padded_slots)
-    dist.all_gather(all_grads, padded_grads)
-    return torch.cat(all_slots), torch.cat(all_grads)
+def step_input_ids(split_data, position, cfg, world_size, micro_batches):  # tiered
+    """Every input id of the global batch at `position`, all ranks', flat: the rows a tiered step updates. Each
+    rank builds the other ranks' micro-batches from the shared plan itself (no communication, no wait for the
+    GPU), as make_micro_batch would for them; one rank has them all already."""
+    if world_size == 1:
+        return torch.cat([batch["host_input_ids"].flatten() for batch in micro_batches])
+    plan = global_batch_plan(position, cfg.train.global_batch_size, len(split_data), cfg.train.seed,
+                             cfg.train.micro_batch_size, world_size, split_data.length if split_data.task == "mlm" else None)
+    return torch.cat([make_micro_batch(split_data, ids, epochs, cfg, split_data.special, torch.device("cpu"))
+                      ["input_ids"].flatten() for rank_plan in plan for ids, epochs in rank_plan])
 
 
 def embedding_memory(raw_model, optimizer):
@@ -1291,7 +1358,7 @@ def embedding_memory(raw_model, optimizer):
             if torch.is_tensor(value):
                 count(value)
     if isinstance(embedding, TieredEmbedding):  # tiered
-        for tensor in (embedding.cold_weight, embedding.cold_exp_avg, embedding.cold_exp_avg_sq, embedding.cold_steps):
+        for tensor in embedding.held_tensors():
             count(tensor)
     return held
 

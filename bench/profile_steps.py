@@ -8,7 +8,9 @@ Each rank prints one `PROF` line: the window's wall time, how long the GPU ran a
 intervals: 1 - busy/wall is the time the GPU sat idle), the union of non-NCCL kernels, and the sum of NCCL kernel
 times (an NCCL kernel also runs while it waits for the other rank, so a large sum on one rank points at the other).
 Rank 0 also prints the top kernels and host calls, and (PROF_STACK=1) the operator chain above every
-cudaMemcpyAsync and cudaStreamSynchronize, i.e. where the host waited for the GPU. CUDA only.
+cudaMemcpyAsync, cudaStreamSynchronize and cudaEventSynchronize, i.e. where the host waited for the GPU. CUDA only.
+A tiered run (model.embedding_gpu_rows): rank 0 also prints one `HOST` line per TieredEmbedding method (stage,
+start_step, reduce_gradients, step, write_to_tables): its calls and host time in the window.
 """
 import collections
 import os
@@ -20,7 +22,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-ANCHOR = "        micro_batches, step_input_tokens, step_label_tokens = next_batches\n"
+ANCHOR = "        micro_batches, step_input_tokens, step_label_tokens, step_lengths = next_batches\n"
 
 
 class Window:
@@ -62,11 +64,14 @@ class Window:
         if rank != 0:
             return
         averages = self.profile.key_averages()
+        for average in averages:
+            if average.key.startswith("TieredEmbedding."):
+                print(f"HOST {average.key}: {average.count} calls, {average.cpu_time_total / 1e3:.1f} ms", flush=True)
         print(averages.table(sort_by="self_cuda_time_total", row_limit=25), flush=True)
         print(averages.table(sort_by="self_cpu_time_total", row_limit=15), flush=True)
         chains = collections.Counter()
         for event in events:
-            if event.name in ("cudaMemcpyAsync", "cudaStreamSynchronize"):
+            if event.name in ("cudaMemcpyAsync", "cudaStreamSynchronize", "cudaEventSynchronize"):
                 chain, parent = [], event.cpu_parent
                 while parent is not None and len(chain) < 7:
                     chain.append(parent.name[:60])
@@ -74,6 +79,21 @@ class Window:
                 chains[(event.name, " <- ".join(chain))] += 1
         for (name, chain), count in chains.most_common(25):
             print("CHAIN", name, count, chain, flush=True)
+
+
+def labelled(label, method):
+    def run_labelled(*args, **kwargs):
+        with torch.profiler.record_function(label):
+            return method(*args, **kwargs)
+    return run_labelled
+
+
+def label_methods(namespace):
+    """Give the tiered embedding's host work a name in the profile (a record_function range per call)."""
+    tiered_class = namespace.get("TieredEmbedding")
+    for name in ("stage", "start_step", "reduce_gradients", "step", "write_to_tables"):
+        if hasattr(tiered_class, name):
+            setattr(tiered_class, name, labelled(f"TieredEmbedding.{name}", getattr(tiered_class, name)))
 
 
 def main():
@@ -84,6 +104,8 @@ def main():
         sys.exit(f"error: {script} no longer has the line this script hooks into -> update ANCHOR")
     hook = ("        __import__('profile_steps').Window.shared.at(step, rank)\n")
     text = text.replace(ANCHOR, ANCHOR + hook)
+    text = text.replace('\nif __name__ == "__main__":\n',
+                        '\n__import__("profile_steps").label_methods(globals())\n\nif __name__ == "__main__":\n', 1)
     copy_dir = REPO / ".baselines" / "prof" / name
     copy_dir.mkdir(parents=True, exist_ok=True)
     (copy_dir / script).write_text(text)
