@@ -2216,7 +2216,7 @@ def test_model_flops_are_what_the_flop_counter_counts_with_causal_attention_half
     special = meta["special_tokens"]
     for model_type, task in [("gpt2", "causal"), ("bert", "mlm")]:
         cfg = train_ddp.load_config([f"model.type={model_type}", *TINY_MODEL, "model.attention=eager",
-                                     "train.micro_batch_size=3"], use_cuda=False)
+                                     "train.micro_batch_size=3", "train.pad_to_multiple=16"], use_cuda=False)
         model, _ = train_ddp.build_model(cfg, task, 448, special, torch.device("cpu"))
         data = train_ddp.ArrowTokens(data_dir, meta, "train", task, 64, special)
         ids = np.arange(40, 43)  # MLM: three documents of different lengths, padded to the longest
@@ -2227,15 +2227,54 @@ def test_model_flops_are_what_the_flop_counter_counts_with_causal_attention_half
             train_ddp.token_loss_sum(logits, batch["labels"]).backward()
         counted = {str(op): flops for op, flops in counter.get_flop_counts()["Global"].items()}
         positions = batch["input_ids"].numel()
-        assert positions == 3 * max(lengths) and (task == "causal" or len(set(lengths)) > 1), lengths
+        padded = -(-max(lengths) // 16) * 16 if task == "mlm" else 64  # MLM: rounded up to train.pad_to_multiple
+        assert positions == 3 * padded, lengths
+        assert task == "causal" or (len(set(lengths)) > 1 and padded > max(lengths)), lengths  # padding counted
         matmul_params = train_ddp.count_matmul_params(model)
         not_multiplied = sum(p.numel() for p in model.parameters() if p.dim() < 2)  # biases, norm weights
         assert counted["aten.mm"] + counted["aten.addmm"] == 6 * (matmul_params - not_multiplied) * positions
         full_attention = counted["aten.bmm"]
-        ours = train_ddp.model_flops([lengths], matmul_params, 2, 32, task == "causal", attention_unpads=False)
+        ours = train_ddp.model_flops([lengths], matmul_params, 2, 32, task == "causal", attention_unpads=False,
+                                     pad_to_multiple=16, seq_len=64)
         assert ours - 6 * matmul_params * positions == full_attention / (2 if task == "causal" else 1)
-    unpadded = train_ddp.model_flops([[3, 5]], 0, 2, 32, causal=False, attention_unpads=True)
+    unpadded = train_ddp.model_flops([[3, 5]], 0, 2, 32, causal=False, attention_unpads=True, pad_to_multiple=8,
+                                     seq_len=64)
     assert unpadded == 12 * 2 * 32 * (3 * 3 + 5 * 5)  # FlashAttention-2 attends within each sample only
+
+
+def test_masked_lm_compiles_one_graph_for_all_padded_lengths(data_dir, tmp_path, monkeypatch):
+    """Dynamic padding gives micro-batches many lengths. Compiled for each length, the model would recompile at
+    every new one and, past torch._dynamo.config.recompile_limit, silently run eagerly. Marked dynamic, a run
+    compiles three graphs in all, whatever the lengths: the model in training, the loss, the model in evaluation
+    (no_grad is another graph). The "eager" backend: Dynamo alone decides what is compiled when; inductor adds
+    guards of its own (on CUDA: whether the length is a multiple of 8, which train.pad_to_multiple=8 keeps true)."""
+    graphs, lengths = [], []
+
+    def counting_backend(graph_module, example_inputs):
+        graphs.append(torch.is_grad_enabled())
+        return graph_module.forward
+
+    def recording_make_micro_batch(*args):
+        batch = real_make_micro_batch(*args)
+        lengths.append((torch.is_grad_enabled(), batch["input_ids"].shape[1]))
+        return batch
+
+    real_compile, real_make_micro_batch = torch.compile, train_ddp.make_micro_batch
+    monkeypatch.setattr(torch, "compile", lambda target: real_compile(target, backend=counting_backend))
+    monkeypatch.setattr(train_ddp, "make_micro_batch", recording_make_micro_batch)
+    torch._dynamo.reset()
+    try:
+        error, _ = train_in_process(f"data.dir={data_dir}", "model.type=bert", *TINY_MODEL, "train.seq_len=256",
+                                    "train.global_batch_size=16", "train.micro_batch_size=4", "train.compile=true",
+                                    "train.max_steps=4", "train.eval_every=2", "train.eval_batches=1", "log.every=2",
+                                    "checkpoint.every=0", "export=false", f"out_dir={tmp_path}")
+    finally:
+        torch._dynamo.reset()
+    assert error is None, error
+    train_lengths = {length for grad, length in lengths if grad}
+    assert len(train_lengths) >= 3 and all(length % 8 == 0 for length in train_lengths), lengths
+    assert any(not grad for grad, _ in lengths)  # evaluation ran
+    assert sorted(graphs) == [False, True, True], graphs  # no_grad: the evaluation's model graph
 
 
 def dist_is_initialized():
@@ -2331,5 +2370,5 @@ def test_bench_flops_per_token_counts_what_the_trainer_counts():
     shape, batch = {"n_layer": 2, "n_head": 2, "n_embd": 32}, {"vocab_size": 128, "seq_len": 16}
     model = AutoModelForCausalLM.from_config(GPT2Config(vocab_size=128, n_positions=16, n_embd=32, n_layer=2, n_head=2))
     three_sequences = train_ddp.model_flops([[16] * 3], train_ddp.count_matmul_params(model), 2, 32, causal=True,
-                                            attention_unpads=False)
+                                            attention_unpads=False, pad_to_multiple=8, seq_len=16)
     assert bench.flops_per_token(shape, batch) == three_sequences / (3 * 16)
