@@ -2246,8 +2246,8 @@ def test_masked_lm_compiles_one_graph_for_all_padded_lengths(data_dir, tmp_path,
     """Dynamic padding gives micro-batches many lengths. Compiled for each length, the model would recompile at
     every new one and, past torch._dynamo.config.recompile_limit, silently run eagerly. Marked dynamic, a run
     compiles three graphs in all, whatever the lengths: the model in training, the loss, the model in evaluation
-    (no_grad is another graph). The "eager" backend: Dynamo alone decides what is compiled when; inductor adds
-    guards of its own (on CUDA: whether the length is a multiple of 8, which train.pad_to_multiple=8 keeps true)."""
+    (no_grad is another graph). The "eager" backend: Dynamo alone decides what is compiled when; inductor can add
+    guards of its own (on CUDA maybe whether the length is a multiple of 8, which train.pad_to_multiple=8 keeps true)."""
     graphs, lengths = [], []
 
     def counting_backend(graph_module, example_inputs):
@@ -2306,6 +2306,7 @@ def test_bench_reads_nanogpt_and_our_logs_over_the_same_window_and_writes_one_ro
     assert ours["tokens_per_sec"] == pytest.approx(4000 / 2.5)  # the window's tokens over its time, not a mean of rates
     assert ours["mfu"] == pytest.approx(0.16) and ours["peak_mem_gib"] == 3.0 and ours["window"] == "steps 3-6"
     assert ours["data_wait_fraction"] == pytest.approx((0.2 * 2 + 0.3 * 0.5) / 2.5)  # weighted by interval time
+    assert ours["steps_per_sec"] == pytest.approx(4 / 2.5) and ours["tokens_per_sec_max_over_min"] == 4.0
     on_cpu = [{**r, "mfu": None, "mem_peak_gib": None, "data_wait_frac": None} for r in records[2:]]
     assert bench.read_our_metrics(on_cpu, skip_steps=2)["mfu"] is None  # null figures stay null, no error
 
@@ -2363,7 +2364,27 @@ def test_bench_compares_the_inline_reducer_with_ddp_and_derives_ddps_exposed_com
     assert "shapeA_2gpu_ours_comm_exposed_ms: 2.0 ms per step" in summary and "comm exposed 2.5 ms/step" in summary
 
 
-def test_bench_flops_per_token_counts_what_the_trainer_counts():
+def test_bench_compares_every_masked_lm_side_with_ours_and_scales_by_steps_per_second():
+    bench = load_bench()
+    common = {"date": "2026-12-01", "machine": "2 × GPU", "tiny": False}
+    stage_records = [{**common, "stage": stage, "side": side, "command": side, "tokens_per_sec": tps,
+                      "steps_per_sec": steps, "peak_mem_gib": mem, "tokens_per_sec_max_over_min": 1.1, "mfu": 0.3}
+                     for stage, side, tps, steps, mem in [
+                         ("bert_1gpu", "ours", 400.0, 2.0, 40.0), ("bert_1gpu", "ours_fp32", 200.0, 1.0, 60.0),
+                         ("bert_padding_1gpu", "ours_pad_to_seq_len", 360.0, 1.8, 44.0),
+                         ("bert_2gpu", "ours", 780.0, 3.9, 30.0)]]
+    rows = {row["metric"]: row for row in bench.figures(stage_records)}
+    assert rows["bert_speedup_1to2"]["value"] == pytest.approx(1.95)
+    assert rows["bert_fp32_vs_bf16_tokens_per_sec"]["ratio"] == 0.5
+    assert rows["bert_fp32_vs_bf16_peak_mem_gib"]["ratio"] == 1.5
+    assert rows["bert_padding_vs_dynamic_tokens_per_sec"]["ratio"] == 0.9
+    assert rows["bert_1gpu_mfu"]["value"] == 0.3 and rows["bert_steadiness_max_over_min"]["value"] == 1.1
+    summary = bench.summary_markdown(stage_records, list(rows.values()))
+    assert "- bert_speedup_1to2: 1.950 x" in summary and "| bert_2gpu | ours |" in summary
+    assert "| bert_1gpu | 1 |" not in summary  # not in the table against nanoGPT
+
+
+
     """The nanoGPT MFU in the bench uses the trainer's count: same matmul parameters, causal attention."""
     from transformers import AutoModelForCausalLM, GPT2Config
     bench = load_bench()

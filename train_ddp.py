@@ -820,11 +820,11 @@ def make_micro_batch(split_data, sample_ids, epochs, cfg, special, device):
     if split_data.task == "mlm" and cfg.train.pad_to_multiple < split_data.seq_len:  # MLM
         # One compiled graph for all lengths from the first step. Unmarked, Dynamo compiles the model and the loss
         # for the first length alone and again at the second, then with the length dynamic (automatic dynamic
-        # shapes): 5 graphs instead of 3 on CPU (test_masked_lm_compiles_one_graph_for_all_padded_lengths counts
-        # them), each a full compile of the model. Guards that vary with the length (on CUDA, length % 8: see
-        # config.yaml) add graphs per function up to torch._dynamo.config.recompile_limit (8 in torch 2.13); past
-        # it Dynamo runs that function eagerly, silently. maybe_: a torch that specializes the length anyway
-        # recompiles instead of stopping the run.
+        # shapes): 5 graphs instead of 3, counted on CPU (test_masked_lm_compiles_one_graph_for_all_padded_lengths
+        # checks the 3). Guards that vary with the length (on CUDA maybe length % 8: see config.yaml) add graphs
+        # per function up to torch._dynamo.config.recompile_limit (8 in torch 2.13); past it Dynamo runs that
+        # function eagerly (one warning). maybe_: a torch that specializes the length anyway recompiles instead of
+        # stopping the run.
         for key in ("input_ids", "labels", "attention_mask"):
             torch._dynamo.maybe_mark_dynamic(batch[key], 1)
     batch["host_input_ids"] = input_ids  # tiered: the host picks the CPU rows to copy without asking the GPU
