@@ -201,7 +201,7 @@ def test_bad_override_is_one_line_error(override, fragments):
     "optim.min_lr=-1", "optim.warmup_steps=-5", "train.mlm_probability=-1", "train.mlm_probability=1.5",
     "model.n_layer=0", "model.n_embd=-128", "model.dropout=2.0", "optim.beta1=1.5", "optim.lr=0", "dist.timeout_s=0",
     "log.prometheus_port=70000",
-    "dist.bucket_mb=0",
+    "dist.bucket_mb=0", "train.pad_to_multiple=0",
 ])
 def test_values_of_the_right_type_but_out_of_range_are_refused(override):
     """Each of these passed the type check and then trained wrongly (NaN, flipped gradients) or crashed."""
