@@ -201,7 +201,7 @@ def test_bad_override_is_one_line_error(override, fragments):
     "optim.min_lr=-1", "optim.warmup_steps=-5", "train.mlm_probability=-1", "train.mlm_probability=1.5",
     "model.n_layer=0", "model.n_embd=-128", "model.dropout=2.0", "optim.beta1=1.5", "optim.lr=0", "dist.timeout_s=0",
     "log.prometheus_port=70000",
-    "dist.bucket_mb=0",
+    "dist.bucket_mb=0", "train.pad_to_multiple=0",
 ])
 def test_values_of_the_right_type_but_out_of_range_are_refused(override):
     """Each of these passed the type check and then trained wrongly (NaN, flipped gradients) or crashed."""
@@ -2229,7 +2229,7 @@ def test_model_flops_are_what_the_flop_counter_counts_with_causal_attention_half
     special = meta["special_tokens"]
     for model_type, task in [("gpt2", "causal"), ("bert", "mlm")]:
         cfg = train_ddp.load_config([f"model.type={model_type}", *TINY_MODEL, "model.attention=eager",
-                                     "train.micro_batch_size=3"], use_cuda=False)
+                                     "train.micro_batch_size=3", "train.pad_to_multiple=16"], use_cuda=False)
         model, _ = train_ddp.build_model(cfg, task, 448, special, torch.device("cpu"))
         data = train_ddp.ArrowTokens(data_dir, meta, "train", task, 64, special)
         ids = np.arange(40, 43)  # MLM: three documents of different lengths, padded to the longest
@@ -2240,15 +2240,54 @@ def test_model_flops_are_what_the_flop_counter_counts_with_causal_attention_half
             train_ddp.token_loss_sum(logits, batch["labels"]).backward()
         counted = {str(op): flops for op, flops in counter.get_flop_counts()["Global"].items()}
         positions = batch["input_ids"].numel()
-        assert positions == 3 * max(lengths) and (task == "causal" or len(set(lengths)) > 1), lengths
+        padded = -(-max(lengths) // 16) * 16 if task == "mlm" else 64  # MLM: rounded up to train.pad_to_multiple
+        assert positions == 3 * padded, lengths
+        assert task == "causal" or (len(set(lengths)) > 1 and padded > max(lengths)), lengths  # padding counted
         matmul_params = train_ddp.count_matmul_params(model)
         not_multiplied = sum(p.numel() for p in model.parameters() if p.dim() < 2)  # biases, norm weights
         assert counted["aten.mm"] + counted["aten.addmm"] == 6 * (matmul_params - not_multiplied) * positions
         full_attention = counted["aten.bmm"]
-        ours = train_ddp.model_flops([lengths], matmul_params, 2, 32, task == "causal", attention_unpads=False)
+        ours = train_ddp.model_flops([lengths], matmul_params, 2, 32, task == "causal", attention_unpads=False,
+                                     pad_to_multiple=16, seq_len=64)
         assert ours - 6 * matmul_params * positions == full_attention / (2 if task == "causal" else 1)
-    unpadded = train_ddp.model_flops([[3, 5]], 0, 2, 32, causal=False, attention_unpads=True)
+    unpadded = train_ddp.model_flops([[3, 5]], 0, 2, 32, causal=False, attention_unpads=True, pad_to_multiple=8,
+                                     seq_len=64)
     assert unpadded == 12 * 2 * 32 * (3 * 3 + 5 * 5)  # FlashAttention-2 attends within each sample only
+
+
+def test_masked_lm_compiles_one_graph_for_all_padded_lengths(data_dir, tmp_path, monkeypatch):
+    """Dynamic padding gives micro-batches many lengths. Compiled for each length, the model would recompile at
+    every new one and, past torch._dynamo.config.recompile_limit, silently run eagerly. Marked dynamic, a run
+    compiles three graphs in all, whatever the lengths: the model in training, the loss, the model in evaluation
+    (no_grad is another graph). The "eager" backend: Dynamo alone decides what is compiled when; inductor can add
+    guards of its own (on CUDA maybe whether the length is a multiple of 8, which train.pad_to_multiple=8 keeps true)."""
+    graphs, lengths = [], []
+
+    def counting_backend(graph_module, example_inputs):
+        graphs.append(torch.is_grad_enabled())
+        return graph_module.forward
+
+    def recording_make_micro_batch(*args):
+        batch = real_make_micro_batch(*args)
+        lengths.append((torch.is_grad_enabled(), batch["input_ids"].shape[1]))
+        return batch
+
+    real_compile, real_make_micro_batch = torch.compile, train_ddp.make_micro_batch
+    monkeypatch.setattr(torch, "compile", lambda target: real_compile(target, backend=counting_backend))
+    monkeypatch.setattr(train_ddp, "make_micro_batch", recording_make_micro_batch)
+    torch._dynamo.reset()
+    try:
+        error, _ = train_in_process(f"data.dir={data_dir}", "model.type=bert", *TINY_MODEL, "train.seq_len=256",
+                                    "train.global_batch_size=16", "train.micro_batch_size=4", "train.compile=true",
+                                    "train.max_steps=4", "train.eval_every=2", "train.eval_batches=1", "log.every=2",
+                                    "checkpoint.every=0", "export=false", f"out_dir={tmp_path}")
+    finally:
+        torch._dynamo.reset()
+    assert error is None, error
+    train_lengths = {length for grad, length in lengths if grad}
+    assert len(train_lengths) >= 3 and all(length % 8 == 0 for length in train_lengths), lengths
+    assert any(not grad for grad, _ in lengths)  # evaluation ran
+    assert sorted(graphs) == [False, True, True], graphs  # no_grad: the evaluation's model graph
 
 
 def dist_is_initialized():
@@ -2280,6 +2319,7 @@ def test_bench_reads_nanogpt_and_our_logs_over_the_same_window_and_writes_one_ro
     assert ours["tokens_per_sec"] == pytest.approx(4000 / 2.5)  # the window's tokens over its time, not a mean of rates
     assert ours["mfu"] == pytest.approx(0.16) and ours["peak_mem_gib"] == 3.0 and ours["window"] == "steps 3-6"
     assert ours["data_wait_fraction"] == pytest.approx((0.2 * 2 + 0.3 * 0.5) / 2.5)  # weighted by interval time
+    assert ours["steps_per_sec"] == pytest.approx(4 / 2.5) and ours["tokens_per_sec_max_over_min"] == 4.0
     on_cpu = [{**r, "mfu": None, "mem_peak_gib": None, "data_wait_frac": None} for r in records[2:]]
     assert bench.read_our_metrics(on_cpu, skip_steps=2)["mfu"] is None  # null figures stay null, no error
 
@@ -2337,12 +2377,32 @@ def test_bench_compares_the_inline_reducer_with_ddp_and_derives_ddps_exposed_com
     assert "shapeA_2gpu_ours_comm_exposed_ms: 2.0 ms per step" in summary and "comm exposed 2.5 ms/step" in summary
 
 
-def test_bench_flops_per_token_counts_what_the_trainer_counts():
+def test_bench_compares_every_masked_lm_side_with_ours_and_scales_by_steps_per_second():
+    bench = load_bench()
+    common = {"date": "2026-12-01", "machine": "2 × GPU", "tiny": False}
+    stage_records = [{**common, "stage": stage, "side": side, "command": side, "tokens_per_sec": tps,
+                      "steps_per_sec": steps, "peak_mem_gib": mem, "tokens_per_sec_max_over_min": 1.1, "mfu": 0.3}
+                     for stage, side, tps, steps, mem in [
+                         ("bert_1gpu", "ours", 400.0, 2.0, 40.0), ("bert_1gpu", "ours_fp32", 200.0, 1.0, 60.0),
+                         ("bert_padding_1gpu", "ours_pad_to_seq_len", 360.0, 1.8, 44.0),
+                         ("bert_2gpu", "ours", 780.0, 3.9, 30.0)]]
+    rows = {row["metric"]: row for row in bench.figures(stage_records)}
+    assert rows["bert_speedup_1to2"]["value"] == pytest.approx(1.95)
+    assert rows["bert_fp32_vs_bf16_tokens_per_sec"]["ratio"] == 0.5
+    assert rows["bert_fp32_vs_bf16_peak_mem_gib"]["ratio"] == 1.5
+    assert rows["bert_padding_vs_dynamic_tokens_per_sec"]["ratio"] == 0.9
+    assert rows["bert_1gpu_mfu"]["value"] == 0.3 and rows["bert_steadiness_max_over_min"]["value"] == 1.1
+    summary = bench.summary_markdown(stage_records, list(rows.values()))
+    assert "- bert_speedup_1to2: 1.950 x" in summary and "| bert_2gpu | ours |" in summary
+    assert "| bert_1gpu | 1 |" not in summary  # not in the table against nanoGPT
+
+
+
     """The nanoGPT MFU in the bench uses the trainer's count: same matmul parameters, causal attention."""
     from transformers import AutoModelForCausalLM, GPT2Config
     bench = load_bench()
     shape, batch = {"n_layer": 2, "n_head": 2, "n_embd": 32}, {"vocab_size": 128, "seq_len": 16}
     model = AutoModelForCausalLM.from_config(GPT2Config(vocab_size=128, n_positions=16, n_embd=32, n_layer=2, n_head=2))
     three_sequences = train_ddp.model_flops([[16] * 3], train_ddp.count_matmul_params(model), 2, 32, causal=True,
-                                            attention_unpads=False)
+                                            attention_unpads=False, pad_to_multiple=8, seq_len=16)
     assert bench.flops_per_token(shape, batch) == three_sequences / (3 * 16)

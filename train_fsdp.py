@@ -190,7 +190,7 @@ def main():
     del source_model
     parameters_per_rank = [None] * world_size
     dist.all_gather_object(parameters_per_rank, sum(p.to_local().numel() for p in raw_model.parameters()))
-    flops_of = model_flops_counter(raw_model, task, attention)  # FLOPs of the micro-batches of a step, for MFU
+    flops_of = model_flops_counter(raw_model, task, attention, cfg)  # FLOPs of the micro-batches of a step, for MFU
     log0(f"model {raw_model.config.model_type} ({task}), {sum(p.numel() for p in raw_model.parameters()) / 1e6:.1f}M "
          f"parameters, attention {attention}, vocab {meta['vocab_size']} padded to {padded_vocab_size}")
     log0(f"sharded over {world_size} ranks (reshard_after_forward={cfg.fsdp.reshard_after_forward}, activation "
@@ -298,6 +298,8 @@ def main():
             raw_model.set_requires_gradient_sync(is_last)
             with autocast:
                 logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            if task == "mlm":  # MLM: the loss's graph too serves every padded length (see make_micro_batch)
+                torch._dynamo.maybe_mark_dynamic(logits, 1)
             loss_sum = loss_of(logits, batch["labels"])
             if fault("nan", step + 1):  # FAULT
                 loss_sum = loss_sum * float("nan")  # FAULT
@@ -483,6 +485,7 @@ RANGES = {
     "train.eval_every": AT_LEAST_1,
     "train.eval_batches": AT_LEAST_1,
     "train.mlm_probability": (lambda v: 0 < v < 1, "between 0 and 1"),
+    "train.pad_to_multiple": AT_LEAST_1,
     "train.max_bad_steps": AT_LEAST_1,
     "optim.lr": (lambda v: v > 0, "above 0"),
     "optim.min_lr": (lambda v: v >= 0, "of at least 0"),
@@ -831,11 +834,11 @@ def make_micro_batch(split_data, sample_ids, epochs, cfg, special, device):
     if split_data.task == "causal":
         blocks = torch.from_numpy(np.stack(samples))
         input_ids, labels, attention_mask = blocks[:, :-1], blocks[:, 1:], None
-    else:  # MLM, dynamic padding: pad to the longest sample of this micro-batch, not to seq_len
-        longest = max(len(s) for s in samples)
-        input_ids = torch.full((len(samples), longest), special["pad"], dtype=torch.long)
-        labels = torch.full((len(samples), longest), IGNORE_INDEX, dtype=torch.long)
-        attention_mask = torch.zeros((len(samples), longest), dtype=torch.long)
+    else:  # MLM, dynamic padding: to the longest sample of this micro-batch (rounded up), not to seq_len
+        length = padded_length(max(len(s) for s in samples), cfg.train.pad_to_multiple, split_data.seq_len)
+        input_ids = torch.full((len(samples), length), special["pad"], dtype=torch.long)
+        labels = torch.full((len(samples), length), IGNORE_INDEX, dtype=torch.long)
+        attention_mask = torch.zeros((len(samples), length), dtype=torch.long)
         for row, (tokens, sample_id, epoch) in enumerate(zip(samples, sample_ids, epochs)):
             masked, target = mask_tokens(tokens, cfg.train.seed, int(epoch), int(sample_id), special,
                                          split_data.vocab_size, cfg.train.mlm_probability)
@@ -846,8 +849,24 @@ def make_micro_batch(split_data, sample_ids, epochs, cfg, special, device):
     if device.type == "cuda":  # a copy from pageable memory makes the host wait for the GPU; from pinned it does not
         batch = {key: value.pin_memory().to(device, non_blocking=True) if value is not None else None
                  for key, value in batch.items()}
+    if split_data.task == "mlm" and cfg.train.pad_to_multiple < split_data.seq_len:  # MLM
+        # One compiled graph for all lengths from the first step. Unmarked, Dynamo compiles the model and the loss
+        # for the first length alone and again at the second, then with the length dynamic (automatic dynamic
+        # shapes): 5 graphs instead of 3, counted on CPU (test_masked_lm_compiles_one_graph_for_all_padded_lengths
+        # checks the 3). Guards that vary with the length (on CUDA maybe length % 8: see config.yaml) add graphs
+        # per function up to torch._dynamo.config.recompile_limit (8 in torch 2.13); past it Dynamo runs that
+        # function eagerly (one warning). maybe_: a torch that specializes the length anyway recompiles instead of
+        # stopping the run.
+        for key in ("input_ids", "labels", "attention_mask"):
+            torch._dynamo.maybe_mark_dynamic(batch[key], 1)
     batch["host_input_ids"] = input_ids  # tiered: the host picks the CPU rows to copy without asking the GPU
     return batch
+
+
+def padded_length(longest, pad_to_multiple, seq_len):  # MLM
+    """The length a masked-LM micro-batch is padded to: its longest sample rounded up to a multiple of
+    train.pad_to_multiple, at most seq_len."""
+    return min(-(-longest // pad_to_multiple) * pad_to_multiple, seq_len)
 
 
 def token_loss_sum(logits, labels):
@@ -995,7 +1014,7 @@ def flash_attn_available():
         return False
 
 
-def model_flops_counter(raw_model, task, attention):
+def model_flops_counter(raw_model, task, attention, cfg):
     """A function from the sample lengths of each micro-batch to their model FLOPs: what MFU divides by peak."""
     matmul_params = count_matmul_params(raw_model)
     layers, width = raw_model.config.num_hidden_layers, raw_model.config.hidden_size
@@ -1003,16 +1022,18 @@ def model_flops_counter(raw_model, task, attention):
     # eager compute every padded position and zero the masked scores afterwards
     attention_unpads = attention == "flash_attention_2"
     return lambda micro_batch_lengths: model_flops(micro_batch_lengths, matmul_params, layers, width,
-                                                   task == "causal", attention_unpads)
+                                                   task == "causal", attention_unpads, cfg.train.pad_to_multiple,
+                                                   cfg.train.seq_len)
 
 
-def model_flops(micro_batch_lengths, matmul_params, layers, width, causal, attention_unpads):
+def model_flops(micro_batch_lengths, matmul_params, layers, width, causal, attention_unpads, pad_to_multiple,
+                seq_len):
     """Model FLOPs of forward + backward of micro-batches, one list of sample lengths each (the FLOPs MFU counts).
 
     PaLM's count (Chowdhery et al. 2022, app. B), with attention counted as computed here:
     - matmuls: 2 FLOPs per multiply-add, forward; backward computes two products of the same size (gradients of
       the input and of the weight): 6 x matmul_params per position. Every position of a micro-batch is computed,
-      padding included (a masked-LM micro-batch is padded to its longest sample).
+      padding included (a masked-LM micro-batch is padded to its longest sample, rounded up: padded_length).
     - attention scores Q K^T and their weighted sum of V: 2 x 2 x width FLOPs per query-key pair per layer
       forward, x3 with backward: 12 x layers x width per pair. A causal query sees the keys up to itself: half
       the pairs of full attention (FlashAttention-2 skips the blocks above the diagonal: Dao 2023, sec. 3.1.1).
@@ -1023,7 +1044,7 @@ def model_flops(micro_batch_lengths, matmul_params, layers, width, causal, atten
     """
     total = 0
     for lengths in micro_batch_lengths:
-        padded = max(lengths)
+        padded = padded_length(max(lengths), pad_to_multiple, seq_len)  # causal: seq_len
         positions = len(lengths) * padded
         if causal:
             query_key_pairs = positions * padded / 2

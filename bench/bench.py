@@ -54,6 +54,7 @@ TINY_SHAPES = {
     "B": {"n_layer": 3, "n_head": 4, "n_embd": 96},
 }
 TINY_BATCH = {"vocab_size": 8192, "seq_len": 64, "micro_batch_size": 4, "global_batch_size": 16}
+BERT_BATCH = {"seq_len": 512, "micro_batch_size": 32, "global_batch_size": 256}  # the bert_* stages (GPU)
 
 # steps: optimizer steps each side runs; skip_steps: the first steps left out of the figures (compile,
 # allocator warm-up). The window (skip_steps, steps] is the same for every side of a stage. Sized for
@@ -109,7 +110,26 @@ STAGES = {
                             "log_every": 5, "timeout_s": 280},
     "compression_shapeB_2gpu": {"sides": ["variant:no_comm", "ours_inline_bf16"], "shape": "B", "gpus": 2,
                                 "steps": 40, "skip_steps": 10, "log_every": 5, "timeout_s": 280},
-    "bert": {"sides": [], "placeholder": "the masked-LM measurements of issue 8 are not written yet"},
+    # issue 8, masked LM: BERT-base (shape A's 12 x 768 x 12 heads, model.type=bert) at seq_len 512 on data/stdlib,
+    # dynamic padding. Global batch 256 = 131,072 positions per step, micro-batches of 32 (16,384 positions, as
+    # shape A's): 8 micro-batches on 1 GPU, 4 per rank on 2, the same steps. Of data/stdlib's train documents 74%
+    # fill all 512 positions, so padding each micro-batch to its longest sample (rounded up to 8) computes 1.08x
+    # the tokens, to multiples of 64 1.09x, and padding all to 512 1.19x (counted on CPU with global_batch_plan
+    # over 40 batches): a small difference.
+    # Sides: ours (bf16, train.pad_to_multiple=8, length marked dynamic), fp32 (TF32 matmuls), fp16 + GradScaler.
+    "bert_1gpu": {"sides": ["ours", "ours_fp32", "ours_fp16"], "shape": "A", "gpus": 1, "steps": 70,
+                  "skip_steps": 20, "log_every": 10, "timeout_s": 240, "mlm": True, "batch": BERT_BATCH,
+                  "extra": ["model.type=bert"]},
+    # the padding alternatives, against bert_1gpu's ours: every batch padded to 512 (one static shape); static
+    # buckets (multiples of 128: 4 lengths, each a static graph per grad mode, automatic dynamic shapes off, the
+    # recompile limit raised; 128, not 64, to bound the compiles); the code before this work (exact lengths, unmarked)
+    "bert_padding_1gpu": {"sides": ["ours_pad_to_seq_len", "variant:bert_static_buckets", "variant:bert_unmarked"],
+                          "shape": "A", "gpus": 1, "steps": 70, "skip_steps": 20, "log_every": 10, "timeout_s": 300,
+                          "mlm": True, "batch": BERT_BATCH, "extra": ["model.type=bert"],
+                          "side_extra": {"variant:bert_static_buckets": ["train.pad_to_multiple=128"],
+                                         "variant:bert_unmarked": ["train.pad_to_multiple=1"]}},
+    "bert_2gpu": {"sides": ["ours"], "shape": "A", "gpus": 2, "steps": 70, "skip_steps": 20, "log_every": 10,
+                  "timeout_s": 200, "mlm": True, "batch": BERT_BATCH, "extra": ["model.type=bert"]},
     # issue 8: GPT-2 against a Llama of the same size (CONFIG_SIDES: SwiGLU's three matrices 8/3 x width wide hold
     # what GPT-2's two 4 x width ones do; RMSNorm, rotary positions, no biases, an untied output layer)
     "llama_shapeA_1gpu": {"sides": ["ours", "config:llama"], "shape": "A", "gpus": 1, "steps": 80, "skip_steps": 20,
@@ -142,6 +162,9 @@ SIDE_OVERRIDES = {
     "ours_bf16": ["dist.grad_compression=bf16"],
     "ours_inline_bf16": ["dist.reducer=inline", "dist.grad_compression=bf16"],
     "ours_inline_fp16": ["dist.reducer=inline", "train.precision=fp16"],  # the GradScaler path
+    "ours_fp32": ["train.precision=fp32"],
+    "ours_fp16": ["train.precision=fp16"],
+    "ours_pad_to_seq_len": ["train.pad_to_multiple=512"],  # >= seq_len (512 on GPU, 64 with --tiny): all padded to it
 }
 TINY_STEPS = {"steps": 12, "skip_steps": 4, "log_every": 2, "timeout_s": 240}
 
@@ -158,6 +181,13 @@ VARIANTS = {
     "sdpa_masked": [("    if requested == \"auto\" and task == \"causal\":", "    if False:")],  # transformers' own sdpa
     "sync_debug": [("def main():\n", "def main():\n    import warnings\n    warnings.simplefilter('always')\n"
                     "    torch.cuda.set_sync_debug_mode('warn')\n")],
+    # masked LM: no length marked dynamic (every call of maybe_mark_dynamic does nothing)
+    "bert_unmarked": [("torch._dynamo.maybe_mark_dynamic(", "(lambda *unmarked: None)(")],
+    # and one static graph per length: with train.pad_to_multiple=128, 4 lengths x train and eval = 8 graphs of
+    # the model, at Dynamo's default recompile_limit of 8 (64 leaves room)
+    "bert_static_buckets": [("torch._dynamo.maybe_mark_dynamic(", "(lambda *unmarked: None)("),
+                            ("def main():\n", "def main():\n    torch._dynamo.config.automatic_dynamic_shapes = False\n"
+                             "    torch._dynamo.config.recompile_limit = 64\n")],
 }
 # before_issue_6: train_ddp.py as it was before this round of work (commit 47acc78), kept outside the
 # repository with its config.yaml: git show 47acc78:train_ddp.py > .baselines/before_issue_6/train_ddp.py
@@ -472,14 +502,16 @@ def read_our_metrics(records, skip_steps):
     record covers the steps since the previous one; its time is its tokens over its tokens_per_sec."""
     train = [r for r in records if r.get("kind") == "train"]
     tokens = seconds = mfu_seconds = wait_seconds = 0.0
-    previous_tokens = 0  # a fresh run: run_ours empties the run directory, so nothing is resumed
+    previous_tokens = previous_step = steps = 0  # a fresh run: run_ours empties the run directory, nothing is resumed
     window, has_wait, comm = [], True, {key: [] for key in COMM_KEYS}
     for r in train:
         interval_tokens, previous_tokens = r["tokens_seen"] - previous_tokens, r["tokens_seen"]
+        interval_steps, previous_step = r["step"] - previous_step, r["step"]
         if r["step"] <= skip_steps:
             continue
         interval_s = interval_tokens / r["tokens_per_sec"]
         tokens += interval_tokens
+        steps += interval_steps
         seconds += interval_s
         mfu_seconds += (r.get("mfu") or 0.0) * interval_s  # null (None) where the trainer has no MFU
         has_wait = has_wait and r.get(DATA_WAIT_KEY) is not None
@@ -493,8 +525,15 @@ def read_our_metrics(records, skip_steps):
     if not seconds:
         return {"tokens_per_sec": None, "note": f"no logged interval after step {skip_steps}", "memory": memory}
     gpu_utils = [r["gpu_util"] for r in window if r.get("gpu_util") is not None]
+    interval_rates = [r["tokens_per_sec"] for r in window]
+    interval_mfus = [r["mfu"] for r in window if r.get("mfu")]
     return {
         "tokens_per_sec": tokens / seconds,
+        "steps_per_sec": steps / seconds,
+        # how steady: the fastest interval of the window over the slowest (1.0 = all alike). A masked LM's
+        # tokens per step vary with the documents drawn; MFU counts the padded work, so its spread is the GPU's own
+        "tokens_per_sec_max_over_min": max(interval_rates) / min(interval_rates),
+        "mfu_max_over_min": max(interval_mfus) / min(interval_mfus) if interval_mfus else None,
         "mfu": mfu_seconds / seconds if any(r.get("mfu") is not None for r in train) else None,
         "data_wait_fraction": wait_seconds / seconds if has_wait else None,
         "gpu_util_mean": sum(gpu_utils) / len(gpu_utils) if gpu_utils else None,  # NVML's figure at each log line
@@ -887,7 +926,52 @@ def figures(stage_records):
                     None, None, side.get("command"), no_comm.get("command"), side,
                     f"measured by the trainer (time in wait()): {number(side.get('comm_exposed_ms'), 2)}; all-reduce "
                     f"p50/p95 {number(side.get('allreduce_p50_ms'), 2)}/{number(side.get('allreduce_p95_ms'), 2)} ms")
+    bert_figures(by_stage, row)
     return rows
+
+
+def bert_figures(by_stage, row):
+    """Issue 8's masked-LM figures: bert_1gpu's "ours" is the baseline of every comparison."""
+    one_gpu, padding = by_stage.get("bert_1gpu", {}), by_stage.get("bert_padding_1gpu", {})
+    ours = one_gpu.get("ours")
+    if not ours:
+        return
+    label = "ours: bf16, train.pad_to_multiple=8, length marked dynamic (bert_1gpu)"
+    row("bert_1gpu_tokens_per_sec", ours.get("tokens_per_sec"), "tokens/s (input tokens; padding not counted)", None,
+        None, ours.get("command"), source=ours,
+        note=f"{number(ours.get('steps_per_sec'), 2)} steps/s, peak memory {number(ours.get('peak_mem_gib'), 1)} GiB, "
+             f"{ours.get('seconds')} s in all")
+    row("bert_1gpu_mfu", ours.get("mfu"), "fraction of peak dense bf16 FLOP/s (padded positions counted)", None, None,
+        ours.get("command"), source=ours, note="target: at least 0.35")
+    row("bert_steadiness_max_over_min", ours.get("tokens_per_sec_max_over_min"),
+        "x (the window's fastest log interval / its slowest, tokens/s)", None, None, ours.get("command"), source=ours,
+        note=f"target: below 1.2; MFU max/min {number(ours.get('mfu_max_over_min'), 3)}")
+    for side, precision in [("ours_fp32", "fp32"), ("ours_fp16", "fp16")]:
+        other = one_gpu.get(side)
+        if other:
+            row(f"bert_{precision}_vs_bf16_tokens_per_sec", other.get("tokens_per_sec"), "tokens/s", label,
+                ours.get("tokens_per_sec"), other.get("command"), ours.get("command"), other)
+            row(f"bert_{precision}_vs_bf16_peak_mem_gib", other.get("peak_mem_gib"),
+                "GiB (torch.cuda.max_memory_allocated)", label, ours.get("peak_mem_gib"), other.get("command"),
+                ours.get("command"), other)
+    for side, metric in [("ours_pad_to_seq_len", "bert_padding_vs_dynamic_tokens_per_sec"),
+                         ("variant:bert_static_buckets", "bert_static_buckets_vs_dynamic_tokens_per_sec"),
+                         ("variant:bert_unmarked", "bert_unmarked_vs_dynamic_tokens_per_sec")]:
+        other = padding.get(side)
+        if other:
+            row(metric, other.get("tokens_per_sec"), "tokens/s", label, ours.get("tokens_per_sec"), other.get("command"),
+                ours.get("command"), other,
+                note=f"tokens/s max/min {number(other.get('tokens_per_sec_max_over_min'), 2)} vs "
+                     f"{number(ours.get('tokens_per_sec_max_over_min'), 2)}; {other.get('seconds')} s in all, compiles "
+                     f"included, vs {ours.get('seconds')} s" + ("" if other.get("machine") == ours.get("machine")
+                                                                 else "; ran on another machine"))
+    two = by_stage.get("bert_2gpu", {}).get("ours")
+    if two:
+        row("bert_speedup_1to2", ratio(two.get("steps_per_sec"), ours.get("steps_per_sec")),
+            "x (2-GPU steps/s / 1-GPU steps/s, the same global batch)", "the seed article: 2 PCIe GPUs", 1.81,
+            f"{ours.get('command')} ; {two.get('command')}", None, two,
+            note="target: at least 1.95" + ("" if two.get("machine") == ours.get("machine")
+                                            else "; 1 and 2 GPUs ran on different machines"))
 
 
 def number(value, digits=0):
@@ -921,12 +1005,15 @@ def summary_markdown(stage_records, rows):
         "vocabulary (out/bench/random_tokens); a causal step of fixed length does the same work on either.",
     ]
     by_stage = sides_by_stage(stage_records)
-    if any("ours" in sides and not STAGES.get(name, {}).get("zipf_data") for name, sides in by_stage.items()):
+    def against_nanogpt(name, sides):
+        return "ours" in sides and not STAGES.get(name, {}).get("zipf_data") and not STAGES.get(name, {}).get("mlm")
+
+    if any(against_nanogpt(name, sides) for name, sides in by_stage.items()):
         lines += ["", "| stage | GPUs | window | ours tokens/s | nanoGPT tokens/s | ratio "
                   "| ours MFU (reported / formula) | nanoGPT MFU (formula) | ours peak mem GiB | status ours / nanoGPT |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
     for name, sides in by_stage.items():
-        if "ours" in sides and not STAGES.get(name, {}).get("zipf_data"):
+        if against_nanogpt(name, sides):
             ours, theirs = sides["ours"], sides.get("nanogpt", {})
             ours_tps, their_tps = ours.get("tokens_per_sec"), theirs.get("tokens_per_sec")
             lines.append(
@@ -947,6 +1034,9 @@ def summary_markdown(stage_records, rows):
                 extra += f", comm exposed {r['comm_exposed_ms']:.1f} ms/step"
             if r.get("allreduce_p50_ms") is not None:
                 extra += f", all-reduce p50/p95 {r['allreduce_p50_ms']:.1f}/{r['allreduce_p95_ms']:.1f} ms"
+            if STAGES.get(r["stage"], {}).get("mlm") and r.get("steps_per_sec") is not None:
+                extra += (f", {r['steps_per_sec']:.2f} steps/s, tokens/s max/min "
+                          f"{number(r.get('tokens_per_sec_max_over_min'), 2)}")
             if r.get("embedding_mib"):
                 extra += ", input embedding " + " + ".join(f"{mib:,.0f} MiB on {kind}"
                                                            for kind, mib in sorted(r["embedding_mib"].items()))
@@ -967,6 +1057,13 @@ def summary_markdown(stage_records, rows):
         lines += [f"- {row['metric']}: {number(row['value'], 1)} {row['unit']}"
                   + (f"; {row['baseline']}: {number(row['baseline_value'], 1)}, ratio {number(row['ratio'], 3)}"
                      if row["baseline"] else "") + (f"; {row['note']}" if row["note"] else "") for row in issue_10]
+    bert = [row for row in rows if row["metric"].startswith("bert_")]
+    if bert:
+        lines += ["", "Masked LM, BERT-base at seq_len 512 (issue 8; ratio = value / baseline):", ""]
+        lines += [f"- {row['metric']}: {number(row['value'], 3 if row['value'] and row['value'] < 10 else 0)} "
+                  f"{row['unit']}" + (f"; {row['baseline']}: {number(row['baseline_value'], 3)}, ratio "
+                                      f"{number(row['ratio'], 3)}" if row["baseline"] else "")
+                  + (f"; {row['note']}" if row["note"] else "") for row in bert]
     lines += ["", "Commands (from the repository root; each side's seconds include start-up, compile, "
               "the unavoidable evaluations, ours' final checkpoint and export):", ""]
     for r in stage_records:
@@ -1065,7 +1162,9 @@ def run_stage(stage_name, tiny, machine, timeout_s, port, log, keep):
         except Exception as error:  # one broken side must not cost the figures of the others
             record = {"status": f"error: {type(error).__name__}: {error}"}
         record = {**base, "side": side, **record}
-        record["mfu_by_our_formula"] = mfu_by_our_formula(record, shape, batch, stage["gpus"], machine["peak_flops"])
+        # the formula counts a causal step of fixed length: for a masked LM only the trainer's own MFU holds
+        record["mfu_by_our_formula"] = (None if stage.get("mlm") else
+                                        mfu_by_our_formula(record, shape, batch, stage["gpus"], machine["peak_flops"]))
         log(f"=== {stage_name} / {side}: {record['status']}, tokens/s {number(record.get('tokens_per_sec'))} "
             f"({record.get('window', 'no window')}), {record.get('seconds')} s in all")
         records.append(keep(record))
