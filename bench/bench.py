@@ -408,6 +408,7 @@ def shell_text(command, env_extra, cwd):
     return prefix + " ".join(assignments + [shlex.quote(part) for part in command])
 
 
+ONLY_SIDES = set()  # --sides: a call's time goes to these sides alone
 GPU_OFFSET = int(os.environ.get("BENCH_FIRST_GPU", "0"))  # two bench processes can share a 2-GPU machine
 
 
@@ -1152,6 +1153,8 @@ def run_stage(stage_name, tiny, machine, timeout_s, port, log, keep):
                 for side in stage["sides"]]
     records = []
     for index, side in enumerate(stage["sides"]):
+        if ONLY_SIDES and side not in ONLY_SIDES:
+            continue
         log(f"=== {stage_name} / {side}: {stage['steps']} steps, window after step {stage['skip_steps']}, "
             f"timeout {stage['timeout_s']}s")
         try:
@@ -1179,6 +1182,7 @@ def main():
     parser.add_argument("--timeout-s", type=int, default=0, help="per-side timeout for every stage (default: STAGES)")
     parser.add_argument("--no-record", action="store_true", help="write $OUT only, not bench/RESULTS.md")
     parser.add_argument("--record", nargs="+", metavar="DIR", help="append DIR/stages.jsonl (earlier runs) to bench/")
+    parser.add_argument("--sides", default="", help="comma-separated: run only these sides of the stages")
     parser.add_argument("--hf-trainer-worker", metavar="STAGE", help=argparse.SUPPRESS)
     parser.add_argument("--dataparallel-worker", metavar="STAGE", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -1198,6 +1202,7 @@ def main():
         record_in_repo(summary_markdown(stage_records, rows), rows)
         return
 
+    ONLY_SIDES.update(side.strip() for side in args.sides.split(",") if side.strip())
     stage_names = list(STAGES) if args.stages == "all" else [s.strip() for s in args.stages.split(",") if s.strip()]
     unknown = [s for s in stage_names if s not in STAGES]
     if unknown:
