@@ -305,8 +305,8 @@ def main():
                 loss_sum = loss_sum * float("nan")  # FAULT
             scaler.scale(loss_sum * loss_scale).backward()
             # backward has freed what it saved; the name alone would keep these logits (shape A: 16 x 1024 x 8192
-            # in bf16, 256 MiB) alive through the next micro-batch's forward, where memory peaks (measured on an
-            # H200: allocated after the update 1,736 MiB with the name kept, against 1,406 MiB of state)
+            # in bf16, 256 MiB) alive through the next micro-batch's forward or the update (measured on an H200:
+            # allocated after the update 1,736 MiB with the name kept, against 1,406 MiB of weights and state)
             del logits
             step_loss_sum += loss_sum.detach()
             if tiered and index == 0:  # tiered: the rows the last step updated go into the CPU tables now, while
