@@ -225,8 +225,13 @@ def main():
                 "DDP's first bucket to be 1 MiB and stops when the others are smaller -> give dist.bucket_mb=1 or more, "
                 "or use dist.reducer=inline or train.compile=false")
         # bucket_cap_mb given, DDP's first bucket is that size too (its default is 1 MiB): both reducers bucket alike
+        # broadcast_buffers=False: the buffers of these models are constants every rank builds alike (BERT's
+        # position_ids and token_type_ids, Llama's rotary inv_freq), and the weights are synchronised by the
+        # constructor; DDP's default re-broadcasts rank 0's buffers before every forward: a collective per
+        # micro-batch and, under torch.compile, a graph break (Dynamo cannot trace _broadcast_coalesced: seen in
+        # a 2-GPU BERT run's log)
         ddp_model = DDP(raw_model, device_ids=[local_rank] if use_cuda else None, bucket_cap_mb=cfg.dist.bucket_mb,
-                        gradient_as_bucket_view=True)  # gradients live in the buckets
+                        gradient_as_bucket_view=True, broadcast_buffers=False)  # gradients live in the buckets
         if cfg.dist.grad_compression == "bf16":
             ddp_model.register_comm_hook(allreduce_spans, bf16_allreduce_hook)
     elif world_size > 1:
