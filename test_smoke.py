@@ -1381,7 +1381,7 @@ def busy_port():
 
 
 @pytest.mark.parametrize("case", ["script", "torch", "cuda", "nccl", "processes", "config", "data", "checkpoint",
-                                  "port", "master", "port_not_a_number", "port_out_of_range", "nodes", "node_rank",
+                                  "port", "master", "master_before_data", "port_not_a_number", "port_out_of_range", "nodes", "node_rank",
                                   "restarts", "log_dir", "not_a_rendezvous_server"])
 def test_each_launch_check_fails_with_its_message(case, data_dir, tmp_path, busy_port):
     """Break one condition at a time; the launch stops at that check with a reason and a fix.
@@ -1407,6 +1407,9 @@ def test_each_launch_check_fails_with_its_message(case, data_dir, tmp_path, busy
         "checkpoint": ([trainer_args[0], f"checkpoint.dir={tmp_path}/a_file/ckpt"], {}, "checkpoint dir", "cannot create"),
         "port": (["stress_test.py"], {"MASTER_PORT": str(busy_port)}, "master port", "Address already in use"),
         "master": (["stress_test.py"], worker_node, "master", "unreachable after 1s"),
+        # a worker node waits for node 0, which prepares the data, before it looks for the data itself
+        "master_before_data": ([f"data.dir={tmp_path}/nothing_here", *trainer_args[1:]],
+                               {**worker_node, "NPROC_PER_NODE": "1"}, "master", "unreachable after 1s"),
         "port_not_a_number": (["stress_test.py"], {"MASTER_PORT": "abc"}, "master port", "MASTER_PORT=abc is not a port"),
         "port_out_of_range": (["stress_test.py"], {"MASTER_PORT": "70000"}, "master port", "not a port number 1..65535"),
         "nodes": (["stress_test.py"], {"NNODES": "two"}, "nodes", "NNODES=two"),
