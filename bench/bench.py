@@ -109,6 +109,16 @@ STAGES = {
                             "log_every": 5, "timeout_s": 280},
     "compression_shapeB_2gpu": {"sides": ["variant:no_comm", "ours_inline_bf16"], "shape": "B", "gpus": 2,
                                 "steps": 40, "skip_steps": 10, "log_every": 5, "timeout_s": 280},
+    # issue 12: two "nodes" of one GPU each on this machine, joined by NCCL's socket transport (TWO_NODE_ENV), the
+    # "multi-node slower than one node" case: stress_test.py's all-reduce over the link, then shape A on 2 GPUs over
+    # NVLink ("ours") and over sockets ("two_nodes:..."), plain, with bf16 gradients, with 100 MiB buckets, with both.
+    # NCCL_DEBUG=INFO: each rank logs the transport of each channel ("via NET/Socket/0", "via P2P/CUMEM/read"),
+    # which run_ours and run_stress record. Estimate for the GPU machine: ~25 s per stress side, ~60-90 s per shape A
+    # side (reducer_shapeA_2gpu's took 55-75 s for 120 steps): ~7 minutes in all.
+    "two_nodes_shapeA_2gpu": {"sides": ["stress", "two_nodes:stress", "ours", "two_nodes:ours", "two_nodes:ours_bf16",
+                                        "two_nodes:ours_buckets", "two_nodes:ours_bf16_buckets"],
+                              "shape": "A", "gpus": 2, "steps": 100, "skip_steps": 20, "log_every": 10, "timeout_s": 200,
+                              "env": {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT"}},
     "bert": {"sides": [], "placeholder": "the masked-LM measurements of issue 8 are not written yet"},
     # issue 11: a 500k-token vocabulary with an untied output layer, the input embedding whole on the GPU against
     # tiered (its 32,768 most frequent rows on the GPU, the rest in CPU memory). Data: Zipf-distributed random
@@ -126,7 +136,20 @@ SIDE_OVERRIDES = {
     "ours_bf16": ["dist.grad_compression=bf16"],
     "ours_inline_bf16": ["dist.reducer=inline", "dist.grad_compression=bf16"],
     "ours_inline_fp16": ["dist.reducer=inline", "train.precision=fp16"],  # the GradScaler path
+    "ours_buckets": ["dist.bucket_mb=100"],  # fewer, larger all-reduces (shape A: 351 MiB of fp32 gradients a step)
+    "ours_bf16_buckets": ["dist.grad_compression=bf16", "dist.bucket_mb=100"],
 }
+# Sides "two_nodes:SIDE": SIDE run as two torchrun nodes of this machine (launch.sh with NNODES=2, NODE_RANK 0 and 1,
+# one GPU each, MASTER_ADDR 127.0.0.1), whose NCCL talks over TCP sockets as between two hosts without InfiniBand:
+# no CUDA peer access (NVLink, PCIe), no shared host memory, no InfiniBand/RoCE, no GPUDirect RDMA, and the loopback
+# interface named explicitly (NCCL does not pick lo by itself). Gloo (--tiny) ignores these variables.
+TWO_NODE_ENV = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_IB_DISABLE": "1", "NCCL_NET_GDR_LEVEL": "LOC",
+                "NCCL_SOCKET_IFNAME": "lo"}
+# stress_test.py's all-reduce sweep: up to 256 MiB, about shape A's 351 MiB all-reduced at each step
+STRESS_ARGS = ["--ops", "all_reduce_sum", "--min-bytes", "1M", "--max-bytes", "256M", "--factor", "4", "--iters", "20",
+               "--warmup", "5", "--skip-grad-check"]
+TINY_STRESS_ARGS = ["--ops", "all_reduce_sum", "--min-bytes", "4K", "--max-bytes", "1M", "--factor", "4", "--iters", "5",
+                    "--warmup", "2", "--skip-grad-check"]
 TINY_STEPS = {"steps": 12, "skip_steps": 4, "log_every": 2, "timeout_s": 240}
 
 # Variants of train_ddp.py for the ablation: each is the trainer with one change, made by replacing text
@@ -324,33 +347,66 @@ class Log:
 def run_process(command, cwd, env_extra, timeout_s, log):
     """Run one side in its own process group and copy its output into the log as it comes.
     Returns (status, output, seconds); status is 'ok', 'failed (exit N)' or 'timeout after Ns'."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **env_extra}
+    status, outputs, seconds = run_processes(command, cwd, [env_extra], timeout_s, log)
+    return status, outputs[0], seconds
+
+
+# how long the other nodes of a side may run on after one failed: they would wait for it up to dist.timeout_s
+FAILED_NODE_GRACE_S = 30
+
+
+def run_processes(command, cwd, env_extras, timeout_s, log):
+    """The same command once per environment in env_extras (one per "node"), all at once, each in its own
+    process group. Returns (status, [output of each], seconds); with several, each logged line says its node."""
     start = time.perf_counter()
-    process = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, errors="replace", start_new_session=True)
-    lines = []
+    processes, outputs, readers = [], [], []
+    for node, env_extra in enumerate(env_extras):
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **env_extra}
+        process = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                   text=True, errors="replace", start_new_session=True)
+        lines, prefix = [], f"[node {node}] " if len(env_extras) > 1 else ""
 
-    def copy_output():
-        for line in process.stdout:
-            lines.append(line)
-            log(line.rstrip("\n"))
+        def copy_output(process=process, lines=lines, prefix=prefix):
+            for line in process.stdout:
+                lines.append(line)
+                log(prefix + line.rstrip("\n"))
 
-    reader = threading.Thread(target=copy_output, daemon=True)
-    reader.start()
-    try:
-        returncode = process.wait(timeout=timeout_s)
-        status = "ok" if returncode == 0 else f"failed (exit {returncode})"
-    except subprocess.TimeoutExpired:
-        # the whole group: torchrun's workers would otherwise keep their GPUs busy for the next side
+        reader = threading.Thread(target=copy_output, daemon=True)
+        reader.start()
+        processes.append(process)
+        outputs.append(lines)
+        readers.append(reader)
+    deadline, failed_at, status = start + timeout_s, None, None
+    while any(process.poll() is None for process in processes):
+        now = time.perf_counter()
+        if failed_at is None and any(process.poll() not in (None, 0) for process in processes):
+            failed_at = now
+        if now > deadline or (failed_at is not None and now > failed_at + FAILED_NODE_GRACE_S):
+            status = f"timeout after {timeout_s}s" if now > deadline else None
+            stop_groups([process for process in processes if process.poll() is None])
+            break
+        time.sleep(0.2)
+    codes = [process.wait() for process in processes]
+    if status is None:
+        bad = [(node, code) for node, code in enumerate(codes) if code != 0]
+        status = "ok" if not bad else "failed (" + ", ".join(
+            (f"node {node}: " if len(codes) > 1 else "") + f"exit {code}" for node, code in bad) + ")"
+    for reader in readers:
+        reader.join(timeout=10)
+    return status, ["".join(lines) for lines in outputs], time.perf_counter() - start
+
+
+def stop_groups(processes):
+    """SIGTERM to each whole group (torchrun's workers would otherwise keep their GPUs busy for the next
+    side), SIGKILL to those still there 20 s later."""
+    for process in processes:
         os.killpg(process.pid, signal.SIGTERM)
+    for process in processes:
         try:
             process.wait(timeout=20)
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
-        status = f"timeout after {timeout_s}s"
-    reader.join(timeout=10)
-    return status, "".join(lines), time.perf_counter() - start
 
 
 def shell_text(command, env_extra, cwd):
@@ -389,15 +445,37 @@ def variant_script(name):
     return directory / "train_ddp.py"
 
 
+def launch_envs(side, stage, tiny, port):
+    """launch.sh's environment for each process a side starts: one node of stage["gpus"] processes, or, for
+    "two_nodes:..." sides, two nodes of one GPU each. Both nodes share this machine's files (out_dir,
+    checkpoint.dir): only global rank 0 writes metrics.jsonl and checkpoints, and launch.sh names each node's
+    log directory after its node rank and pid."""
+    common = {"MASTER_PORT": str(port), **stage.get("env", {}), **({"LAUNCH_DEVICE": "cpu"} if tiny else {})}
+    if not side.startswith("two_nodes:"):
+        return [{**device_env(stage["gpus"], tiny), "NPROC_PER_NODE": str(stage["gpus"]), **common}]
+    return [{"CUDA_VISIBLE_DEVICES": "" if tiny else str(GPU_OFFSET + node), "NPROC_PER_NODE": "1", "NNODES": "2",
+             "NODE_RANK": str(node), "MASTER_ADDR": "127.0.0.1", **TWO_NODE_ENV, **common} for node in range(2)]
+
+
+def launch_text(command, env_extras):
+    """The side's command line(s) as one could paste them into a shell: several nodes start in the background."""
+    if len(env_extras) == 1:
+        return shell_text(command, env_extras[0], REPO)
+    return " & ".join(shell_text(command, env_extra, REPO) for env_extra in env_extras) + " & wait"
+
+
+def nccl_transports(output):
+    """The distinct transports NCCL_DEBUG=INFO reported for its channels: 'NET/Socket/0', 'P2P/CUMEM/read', ..."""
+    return sorted(set(re.findall(r"NCCL INFO Channel .* via (\S+)", output))) or None
+
+
 def run_ours(stage_name, stage, shape, batch, tiny, port, log, side="ours"):
-    if tiny and "train.precision=fp16" in SIDE_OVERRIDES.get(side, []):
+    base_side = side.removeprefix("two_nodes:")
+    if tiny and "train.precision=fp16" in SIDE_OVERRIDES.get(base_side, []):
         return {"status": "skipped: fp16 needs a GPU"}
     run_dir = WORK_DIR / stage_name / side.replace(":", "_").replace("#", "_")
     remove_tree(run_dir)  # a checkpoint left there would be resumed (checkpoint.resume=auto) and train no step
-    env_extra = {**device_env(stage["gpus"], tiny), "NPROC_PER_NODE": str(stage["gpus"]), "MASTER_PORT": str(port),
-                 **stage.get("env", {})}
-    if tiny:
-        env_extra["LAUNCH_DEVICE"] = "cpu"
+    env_extras = launch_envs(side, stage, tiny, port)
     overrides = our_overrides(shape, batch, stage["steps"], stage["log_every"], run_dir.relative_to(REPO), tiny)
     data_dir = zipf_token_data(batch["vocab_size"], tiny).relative_to(REPO) if stage.get("zipf_data") else None
     if data_dir:
@@ -406,16 +484,18 @@ def run_ours(stage_name, stage, shape, batch, tiny, port, log, side="ours"):
         overrides = [o for o in overrides if o not in ("checkpoint.every=0", "export=false")]
         overrides += [f"checkpoint.every={stage['steps']}", "log.sample_prompt="]
     script = {"ours": "train_ddp.py", "ours_tiered": "train_ddp.py", "ours_fsdp": "train_fsdp.py",
-              **{name: "train_ddp.py" for name in SIDE_OVERRIDES}}.get(side)
-    if side.startswith("variant:"):
-        script = str(variant_script(side.split(":", 1)[1]).relative_to(REPO))
-    if side.startswith("config:"):
+              **{name: "train_ddp.py" for name in SIDE_OVERRIDES}}.get(base_side)
+    if base_side.startswith("variant:"):
+        script = str(variant_script(base_side.split(":", 1)[1]).relative_to(REPO))
+    if base_side.startswith("config:"):
         script = "train_ddp.py"
-        overrides += [o.format(prometheus_port=port + 5) for o in CONFIG_SIDES[side.split(":", 1)[1].split("#")[0]]]
-    command = ["bash", "launch.sh", script, *overrides, *stage.get("extra", []), *SIDE_OVERRIDES.get(side, []),
+        overrides += [o.format(prometheus_port=port + 5) for o in CONFIG_SIDES[base_side.split(":", 1)[1].split("#")[0]]]
+    command = ["bash", "launch.sh", script, *overrides, *stage.get("extra", []), *SIDE_OVERRIDES.get(base_side, []),
                *stage.get("side_extra", {}).get(side, [])]
-    status, output, seconds = run_process(command, REPO, env_extra, stage["timeout_s"], log)
-    record = {"command": shell_text(command, env_extra, REPO), "status": status, "seconds": round(seconds, 1)}
+    status, outputs, seconds = run_processes(command, REPO, env_extras, stage["timeout_s"], log)
+    output = "".join(outputs)  # rank 0, which logs, runs on one of the nodes: torchrun decides which
+    record = {"command": launch_text(command, env_extras), "status": status, "seconds": round(seconds, 1),
+              "nodes": len(env_extras), "transports": nccl_transports(output)}
     if data_dir:
         record["data_dir"] = str(data_dir)
     if side == "variant:sync_debug":  # warnings between the first and the last logged step
@@ -443,6 +523,27 @@ def run_ours(stage_name, stage, shape, batch, tiny, port, log, side="ours"):
         record.update(read_our_metrics(records, stage["skip_steps"]))
     for name in ["ckpt", "final"]:  # shape B's checkpoint is ~9 GB; the next stage needs the disk
         remove_tree(run_dir / name)
+    return record
+
+
+def run_stress(stage_name, stage, shape, batch, tiny, port, log, side="stress"):
+    """stress_test.py's all-reduce table (STRESS_ARGS) on the stage's GPUs: one node, or two ("two_nodes:stress")."""
+    run_dir = WORK_DIR / stage_name / side.replace(":", "_")
+    remove_tree(run_dir)
+    run_dir.mkdir(parents=True)
+    env_extras = launch_envs(side, stage, tiny, port)
+    command = ["bash", "launch.sh", "stress_test.py", *(TINY_STRESS_ARGS if tiny else STRESS_ARGS),
+               "--json", str((run_dir / "stress.json").relative_to(REPO))]
+    status, outputs, seconds = run_processes(command, REPO, env_extras, stage["timeout_s"], log)
+    record = {"command": launch_text(command, env_extras), "status": status, "seconds": round(seconds, 1),
+              "nodes": len(env_extras), "transports": nccl_transports("".join(outputs))}
+    if (run_dir / "stress.json").is_file():  # rank 0 writes it, on either node: both see this directory
+        result = json.loads((run_dir / "stress.json").read_text())
+        record["allreduce"] = [{key: row[key] for key in ["size", "time_us", "algbw", "busbw", "wrong"]}
+                               for row in result["rows"]]
+        record["backend"] = result["run"]["backend"]
+        largest = max(result["rows"], key=lambda row: row["size"])
+        record["busbw_largest"], record["size_largest"] = largest["busbw"], largest["size"]
     return record
 
 
@@ -766,7 +867,71 @@ def figures(stage_records):
                     None, None, side.get("command"), no_comm.get("command"), side,
                     f"measured by the trainer (time in wait()): {number(side.get('comm_exposed_ms'), 2)}; all-reduce "
                     f"p50/p95 {number(side.get('allreduce_p50_ms'), 2)}/{number(side.get('allreduce_p95_ms'), 2)} ms")
+    two_node_figures(by_stage.get("two_nodes_shapeA_2gpu", {}), row)
     return rows
+
+
+def two_node_figures(sides, row):
+    """Issue 12: shape A over sockets against NVLink, what bf16 gradients and larger buckets win back, and the
+    all-reduce bandwidth of each link, each through row(). Gap figures use step times (tokens per step /
+    tokens/s), which add up where tokens/s do not."""
+    if not sides:
+        return
+    nvlink, sockets = sides.get("ours") or {}, sides.get("two_nodes:ours") or {}
+    batch = TINY_BATCH if (sockets or nvlink).get("tiny") else BATCH
+
+    def step_ms(side):
+        return 1000 * tokens_per_step(batch) / side["tokens_per_sec"] if side.get("tokens_per_sec") else None
+
+    stress_nvlink, stress_sockets = sides.get("stress") or {}, sides.get("two_nodes:stress") or {}
+    gpus = STAGES["two_nodes_shapeA_2gpu"]["gpus"]
+
+    def allreduce_ms(parameters_millions, bytes_per_value):
+        """The step's gradients all-reduced at the stress table's largest-size bus bandwidth, nothing overlapped:
+        a ring all-reduce moves 2(n-1)/n of the data through each GPU's link, and busbw = that / time."""
+        busbw = stress_sockets.get("busbw_largest")
+        if not (busbw and parameters_millions):
+            return None
+        return 1000 * parameters_millions * 1e6 * bytes_per_value * 2 * (gpus - 1) / gpus / (busbw * 1e9)
+
+    plain_ms, nvlink_ms = step_ms(sockets), step_ms(nvlink)
+    if sockets:
+        predicted = allreduce_ms(sockets.get("parameters_millions"), 4)
+        row("two_nodes_shapeA_tokens_per_sec", sockets.get("tokens_per_sec"), "tokens/s",
+            "one node, 2 GPUs over NVLink (ours), same call", nvlink.get("tokens_per_sec"), sockets.get("command"),
+            nvlink.get("command"), sockets,
+            f"step {number(plain_ms, 1)} ms vs {number(nvlink_ms, 1)} ms over NVLink; the fp32 gradients "
+            f"({number(sockets.get('parameters_millions'), 1)}M x 4 bytes) all-reduced at the socket link's "
+            f"measured bus bandwidth take {number(predicted, 1)} ms if nothing overlaps; NCCL via "
+            f"{transports_text(sockets)} vs {transports_text(nvlink)}")
+    for name, metric, label in [
+            ("two_nodes:ours_bf16", "two_nodes_shapeA_bf16_tokens_per_sec", "two nodes, fp32 gradients"),
+            ("two_nodes:ours_buckets", "two_nodes_shapeA_buckets_tokens_per_sec", "two nodes, 25 MiB buckets"),
+            ("two_nodes:ours_bf16_buckets", "two_nodes_shapeA_bf16_buckets_tokens_per_sec",
+             "two nodes, fp32 gradients in 25 MiB buckets")]:
+        side = sides.get(name)
+        if not side:
+            continue
+        side_ms = step_ms(side)
+        recovered = ((plain_ms - side_ms) / (plain_ms - nvlink_ms)
+                     if None not in (side_ms, plain_ms, nvlink_ms) and plain_ms > nvlink_ms else None)
+        row(metric, side.get("tokens_per_sec"), "tokens/s", label + ", same call", sockets.get("tokens_per_sec"),
+            side.get("command"), sockets.get("command"), side,
+            f"step {number(side_ms, 1)} ms vs {number(plain_ms, 1)} ms (NVLink {number(nvlink_ms, 1)} ms): "
+            f"wins back {percent(recovered)} of the step time that sockets add; last logged loss "
+            f"{number(side.get('loss_last'), 4)} vs {number(sockets.get('loss_last'), 4)}")
+    if stress_sockets:
+        size = stress_sockets.get("size_largest")
+        same_size = next((r["busbw"] for r in stress_nvlink.get("allreduce") or [] if r["size"] == size), None)
+        row("two_nodes_allreduce_busbw_gbps", stress_sockets.get("busbw_largest"),
+            f"GB/s bus bandwidth of an fp32 all-reduce of {size} bytes (stress_test.py, nccl-tests' busbw)",
+            "one node, 2 GPUs over NVLink, same size, same call", same_size, stress_sockets.get("command"),
+            stress_nvlink.get("command"), stress_sockets,
+            f"NCCL via {transports_text(stress_sockets)} vs {transports_text(stress_nvlink)}")
+
+
+def transports_text(record):
+    return " ".join(record.get("transports") or []) or "(no NCCL channel logged)"
 
 
 def number(value, digits=0):
@@ -826,6 +991,12 @@ def summary_markdown(stage_records, rows):
                 extra += f", comm exposed {r['comm_exposed_ms']:.1f} ms/step"
             if r.get("allreduce_p50_ms") is not None:
                 extra += f", all-reduce p50/p95 {r['allreduce_p50_ms']:.1f}/{r['allreduce_p95_ms']:.1f} ms"
+            if r.get("busbw_largest") is not None:
+                extra += f", all-reduce busbw {r['busbw_largest']:.2f} GB/s at {r['size_largest']:,} B"
+            if r.get("nodes", 1) > 1:
+                extra += f", {r['nodes']} nodes"
+            if r.get("transports"):
+                extra += f", NCCL via {' '.join(r['transports'])}"
             if r.get("embedding_mib"):
                 extra += ", input embedding " + " + ".join(f"{mib:,.0f} MiB on {kind}"
                                                            for kind, mib in sorted(r["embedding_mib"].items()))
@@ -846,6 +1017,25 @@ def summary_markdown(stage_records, rows):
         lines += [f"- {row['metric']}: {number(row['value'], 1)} {row['unit']}"
                   + (f"; {row['baseline']}: {number(row['baseline_value'], 1)}, ratio {number(row['ratio'], 3)}"
                      if row["baseline"] else "") + (f"; {row['note']}" if row["note"] else "") for row in issue_10]
+    issue_12 = [row for row in rows if row["metric"].startswith("two_nodes_")]
+    if issue_12:
+        lines += ["", "Issue 12 (two nodes of one GPU each over NCCL's socket transport, bench.py TWO_NODE_ENV; "
+                  "ratio = value / baseline):", ""]
+        lines += [f"- {row['metric']}: {number(row['value'], 2 if 'busbw' in row['metric'] else 0)} {row['unit']}"
+                  + (f"; {row['baseline']}: {number(row['baseline_value'], 2 if 'busbw' in row['metric'] else 0)}, "
+                     f"ratio {number(row['ratio'], 3)}" if row["baseline"] else "") + (f"; {row['note']}" if row["note"] else "")
+                  for row in issue_12]
+    stress = by_stage.get("two_nodes_shapeA_2gpu", {})
+    tables = {side: {r["size"]: r for r in stress.get(side, {}).get("allreduce") or []}
+              for side in ["stress", "two_nodes:stress"]}
+    if any(tables.values()):
+        lines += ["", "| all-reduce fp32, bytes | one node (NVLink): time us, busbw GB/s | two nodes (sockets): time us, "
+                  "busbw GB/s | #wrong |", "|---|---|---|---|"]
+        for size in sorted(set(tables["stress"]) | set(tables["two_nodes:stress"])):
+            one, two = tables["stress"].get(size, {}), tables["two_nodes:stress"].get(size, {})
+            lines.append(f"| {size:,} | {number(one.get('time_us'), 1)}, {number(one.get('busbw'), 2)} "
+                         f"| {number(two.get('time_us'), 1)}, {number(two.get('busbw'), 2)} "
+                         f"| {one.get('wrong', '—')} / {two.get('wrong', '—')} |")
     lines += ["", "Commands (from the repository root; each side's seconds include start-up, compile, "
               "the unavoidable evaluations, ours' final checkpoint and export):", ""]
     for r in stage_records:
@@ -937,8 +1127,11 @@ def run_stage(stage_name, tiny, machine, timeout_s, port, log, keep):
         log(f"=== {stage_name} / {side}: {stage['steps']} steps, window after step {stage['skip_steps']}, "
             f"timeout {stage['timeout_s']}s")
         try:
-            if side.startswith(("variant:", "config:", "ours")):
+            base_side = side.removeprefix("two_nodes:")
+            if base_side.startswith(("variant:", "config:", "ours")):
                 record = run_ours(stage_name, stage, shape, batch, tiny, port + index, log, side)
+            elif base_side == "stress":
+                record = run_stress(stage_name, stage, shape, batch, tiny, port + index, log, side)
             else:
                 record = SIDE_RUNNERS[side](stage_name, stage, shape, batch, tiny, port + index, log)
         except Exception as error:  # one broken side must not cost the figures of the others
