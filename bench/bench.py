@@ -3,6 +3,7 @@
     python3 bench/bench.py                                    # every stage (a GPU machine; *_2gpu needs 2 GPUs)
     python3 bench/bench.py --stages shapeA_1gpu,hf_trainer    # some stages: split the work over several calls
     python3 bench/bench.py --stages metrics_cost_shapeA_1gpu  # issue 9: tokens/s with the metrics all on vs all off
+    python3 bench/bench.py --stages two_nodes_shapeA_2gpu     # issue 12: 2 GPUs as two "nodes" over sockets vs NVLink
     python3 bench/bench.py --tiny                             # CPU plumbing check: tiny shapes, fp32
     python3 bench/bench.py --record DIR [DIR ...]             # append earlier runs' results to bench/RESULTS.md
 
