@@ -114,12 +114,19 @@ STAGES = {
     # "multi-node slower than one node" case: stress_test.py's all-reduce over the link, then shape A on 2 GPUs over
     # NVLink ("ours") and over sockets ("two_nodes:..."), plain, with bf16 gradients, with 100 MiB buckets, with both.
     # NCCL_DEBUG=INFO: each rank logs the transport of each channel ("via NET/Socket/0", "via P2P/CUMEM/read"),
-    # which run_ours and run_stress record. Estimate for the GPU machine: ~25 s per stress side, ~60-90 s per shape A
-    # side (reducer_shapeA_2gpu's took 55-75 s for 120 steps): ~7 minutes in all.
+    # which run_ours and run_stress record. Estimate for the GPU machine: ~25 s per stress side, ~60 s for "ours"
+    # (reducer_shapeA_2gpu's sides took 55-75 s for 120 steps, ~50 s of it start-up and compilation), 70-95 s per
+    # socket side if a step takes 200-450 ms: 6.5-8 minutes in all, the least needed side ("both") last.
     "two_nodes_shapeA_2gpu": {"sides": ["stress", "two_nodes:stress", "ours", "two_nodes:ours", "two_nodes:ours_bf16",
                                         "two_nodes:ours_buckets", "two_nodes:ours_bf16_buckets"],
-                              "shape": "A", "gpus": 2, "steps": 100, "skip_steps": 20, "log_every": 10, "timeout_s": 200,
+                              "shape": "A", "gpus": 2, "steps": 100, "skip_steps": 20, "log_every": 10, "timeout_s": 160,
                               "env": {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT"}},
+    # the same two nodes, each in its own network namespace, joined by a veth pair (NETNS_HOSTS): their own
+    # addresses, as two hosts have. Needs root and iproute2; where namespaces cannot be made, the sides say so
+    # ("skipped: ...") at no GPU time. ~2 minutes.
+    "two_nodes_netns_shapeA_2gpu": {"sides": ["netns:stress", "netns:ours"], "shape": "A", "gpus": 2, "steps": 100,
+                                    "skip_steps": 20, "log_every": 10, "timeout_s": 160,
+                                    "env": {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT"}},
     "bert": {"sides": [], "placeholder": "the masked-LM measurements of issue 8 are not written yet"},
     # issue 11: a 500k-token vocabulary with an untied output layer, the input embedding whole on the GPU against
     # tiered (its 32,768 most frequent rows on the GPU, the rest in CPU memory). Data: Zipf-distributed random
@@ -146,6 +153,8 @@ SIDE_OVERRIDES = {
 # interface named explicitly (NCCL does not pick lo by itself). Gloo (--tiny) ignores these variables.
 TWO_NODE_ENV = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_IB_DISABLE": "1", "NCCL_NET_GDR_LEVEL": "LOC",
                 "NCCL_SOCKET_IFNAME": "lo"}
+# Sides "netns:SIDE": as "two_nodes:SIDE", each node in a network namespace of its own: (address, namespace, interface)
+NETNS_HOSTS = [("10.78.0.1", "bench_node0", "bench_veth0"), ("10.78.0.2", "bench_node1", "bench_veth1")]
 # stress_test.py's all-reduce sweep: up to 256 MiB, about shape A's 351 MiB all-reduced at each step
 STRESS_ARGS = ["--ops", "all_reduce_sum", "--min-bytes", "1M", "--max-bytes", "256M", "--factor", "4", "--iters", "20",
                "--warmup", "5", "--skip-grad-check"]
@@ -356,14 +365,16 @@ def run_process(command, cwd, env_extra, timeout_s, log):
 FAILED_NODE_GRACE_S = 30
 
 
-def run_processes(command, cwd, env_extras, timeout_s, log):
+def run_processes(command, cwd, env_extras, timeout_s, log, prefixes=None):
     """The same command once per environment in env_extras (one per "node"), all at once, each in its own
-    process group. Returns (status, [output of each], seconds); with several, each logged line says its node."""
+    process group, after its entry of prefixes if given (e.g. ip netns exec NAME). Returns (status, [output of
+    each], seconds); with several, each logged line says its node."""
     start = time.perf_counter()
     processes, outputs, readers = [], [], []
     for node, env_extra in enumerate(env_extras):
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **env_extra}
-        process = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        process = subprocess.Popen([*(prefixes[node] if prefixes else []), *command], cwd=cwd, env=env,
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                    text=True, errors="replace", start_new_session=True)
         lines, prefix = [], f"[node {node}] " if len(env_extras) > 1 else ""
 
@@ -452,17 +463,56 @@ def launch_envs(side, stage, tiny, port):
     checkpoint.dir): only global rank 0 writes metrics.jsonl and checkpoints, and launch.sh names each node's
     log directory after its node rank and pid."""
     common = {"MASTER_PORT": str(port), **stage.get("env", {}), **({"LAUNCH_DEVICE": "cpu"} if tiny else {})}
-    if not side.startswith("two_nodes:"):
+    if not side.startswith(("two_nodes:", "netns:")):
         return [{**device_env(stage["gpus"], tiny), "NPROC_PER_NODE": str(stage["gpus"]), **common}]
-    return [{"CUDA_VISIBLE_DEVICES": "" if tiny else str(GPU_OFFSET + node), "NPROC_PER_NODE": "1", "NNODES": "2",
+    envs = [{"CUDA_VISIBLE_DEVICES": "" if tiny else str(GPU_OFFSET + node), "NPROC_PER_NODE": "1", "NNODES": "2",
              "NODE_RANK": str(node), "MASTER_ADDR": "127.0.0.1", **TWO_NODE_ENV, **common} for node in range(2)]
+    if side.startswith("netns:"):  # gloo, too, needs the interface: it would take the address of the host's name
+        for env, (_, _, interface) in zip(envs, NETNS_HOSTS):
+            env.update(MASTER_ADDR=NETNS_HOSTS[0][0], NCCL_SOCKET_IFNAME=interface, GLOO_SOCKET_IFNAME=interface)
+    return envs
 
 
-def launch_text(command, env_extras):
+def netns_prefixes(side):
+    return [["ip", "netns", "exec", namespace] for _, namespace, _ in NETNS_HOSTS] if side.startswith("netns:") else None
+
+
+def launch_text(command, env_extras, prefixes=None):
     """The side's command line(s) as one could paste them into a shell: several nodes start in the background."""
-    if len(env_extras) == 1:
-        return shell_text(command, env_extras[0], REPO)
-    return " & ".join(shell_text(command, env_extra, REPO) for env_extra in env_extras) + " & wait"
+    texts = [(" ".join(prefixes[node]) + " env " if prefixes else "") + shell_text(command, env_extra, REPO)
+             for node, env_extra in enumerate(env_extras)]
+    return texts[0] if len(texts) == 1 else " & ".join(texts) + " & wait"
+
+
+def make_two_hosts():
+    """NETNS_HOSTS: two network namespaces joined by a veth pair, as test_smoke.py's two_hosts fixture makes
+    them (root and iproute2 needed). Returns None, or why they could not be made."""
+    remove_two_hosts()
+    (_, ns_a, if_a), (_, ns_b, if_b) = NETNS_HOSTS
+    steps = [["netns", "add", ns_a], ["netns", "add", ns_b], ["link", "add", if_a, "type", "veth", "peer", "name", if_b],
+             ["link", "set", if_a, "netns", ns_a], ["link", "set", if_b, "netns", ns_b]]
+    for address, namespace, interface in NETNS_HOSTS:
+        steps += [["-n", namespace, "addr", "add", f"{address}/24", "dev", interface],
+                  ["-n", namespace, "link", "set", "lo", "up"], ["-n", namespace, "link", "set", interface, "up"]]
+    for step in steps:
+        try:
+            done = subprocess.run(["ip", *step], capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired) as error:
+            return f"ip {' '.join(step)}: {error}"
+        if done.returncode != 0:
+            remove_two_hosts()
+            return f"ip {' '.join(step)}: {done.stderr.strip()}"
+    return None
+
+
+def remove_two_hosts():
+    """Deleting a namespace also deletes the veth end inside it, and with it the other end."""
+    for _, namespace, interface in NETNS_HOSTS:
+        for command in [["ip", "netns", "del", namespace], ["ip", "link", "del", interface]]:
+            try:
+                subprocess.run(command, capture_output=True, timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
 
 
 def nccl_transports(output):
@@ -471,7 +521,7 @@ def nccl_transports(output):
 
 
 def run_ours(stage_name, stage, shape, batch, tiny, port, log, side="ours"):
-    base_side = side.removeprefix("two_nodes:")
+    base_side = side.split(":", 1)[1] if side.startswith(("two_nodes:", "netns:")) else side
     if tiny and "train.precision=fp16" in SIDE_OVERRIDES.get(base_side, []):
         return {"status": "skipped: fp16 needs a GPU"}
     run_dir = WORK_DIR / stage_name / side.replace(":", "_").replace("#", "_")
@@ -493,9 +543,10 @@ def run_ours(stage_name, stage, shape, batch, tiny, port, log, side="ours"):
         overrides += [o.format(prometheus_port=port + 5) for o in CONFIG_SIDES[base_side.split(":", 1)[1].split("#")[0]]]
     command = ["bash", "launch.sh", script, *overrides, *stage.get("extra", []), *SIDE_OVERRIDES.get(base_side, []),
                *stage.get("side_extra", {}).get(side, [])]
-    status, outputs, seconds = run_processes(command, REPO, env_extras, stage["timeout_s"], log)
+    prefixes = netns_prefixes(side)
+    status, outputs, seconds = run_processes(command, REPO, env_extras, stage["timeout_s"], log, prefixes)
     output = "".join(outputs)  # rank 0, which logs, runs on one of the nodes: torchrun decides which
-    record = {"command": launch_text(command, env_extras), "status": status, "seconds": round(seconds, 1),
+    record = {"command": launch_text(command, env_extras, prefixes), "status": status, "seconds": round(seconds, 1),
               "nodes": len(env_extras), "transports": nccl_transports(output)}
     if data_dir:
         record["data_dir"] = str(data_dir)
@@ -528,15 +579,17 @@ def run_ours(stage_name, stage, shape, batch, tiny, port, log, side="ours"):
 
 
 def run_stress(stage_name, stage, shape, batch, tiny, port, log, side="stress"):
-    """stress_test.py's all-reduce table (STRESS_ARGS) on the stage's GPUs: one node, or two ("two_nodes:stress")."""
+    """stress_test.py's all-reduce table (STRESS_ARGS) on the stage's GPUs: one node, or two ("two_nodes:stress",
+    "netns:stress")."""
     run_dir = WORK_DIR / stage_name / side.replace(":", "_")
     remove_tree(run_dir)
     run_dir.mkdir(parents=True)
     env_extras = launch_envs(side, stage, tiny, port)
     command = ["bash", "launch.sh", "stress_test.py", *(TINY_STRESS_ARGS if tiny else STRESS_ARGS),
                "--json", str((run_dir / "stress.json").relative_to(REPO))]
-    status, outputs, seconds = run_processes(command, REPO, env_extras, stage["timeout_s"], log)
-    record = {"command": launch_text(command, env_extras), "status": status, "seconds": round(seconds, 1),
+    prefixes = netns_prefixes(side)
+    status, outputs, seconds = run_processes(command, REPO, env_extras, stage["timeout_s"], log, prefixes)
+    record = {"command": launch_text(command, env_extras, prefixes), "status": status, "seconds": round(seconds, 1),
               "nodes": len(env_extras), "transports": nccl_transports("".join(outputs))}
     if (run_dir / "stress.json").is_file():  # rank 0 writes it, on either node: both see this directory
         result = json.loads((run_dir / "stress.json").read_text())
@@ -869,6 +922,15 @@ def figures(stage_records):
                     f"measured by the trainer (time in wait()): {number(side.get('comm_exposed_ms'), 2)}; all-reduce "
                     f"p50/p95 {number(side.get('allreduce_p50_ms'), 2)}/{number(side.get('allreduce_p95_ms'), 2)} ms")
     two_node_figures(by_stage.get("two_nodes_shapeA_2gpu", {}), row)
+    over_veth, over_lo = (by_stage.get(name, {}).get(side) for name, side in [
+        ("two_nodes_netns_shapeA_2gpu", "netns:ours"), ("two_nodes_shapeA_2gpu", "two_nodes:ours")])
+    if over_veth:
+        over_lo = over_lo or {}
+        row("two_nodes_netns_shapeA_tokens_per_sec", over_veth.get("tokens_per_sec"), "tokens/s",
+            "two nodes over loopback (two_nodes_shapeA_2gpu)", over_lo.get("tokens_per_sec"), over_veth.get("command"),
+            over_lo.get("command"), over_veth, f"each node in its own network namespace, NCCL via "
+            f"{transports_text(over_veth)}" + ("; the baseline ran on another day" if over_lo and
+                                               over_veth.get("date") != over_lo.get("date") else ""))
     return rows
 
 
@@ -1128,8 +1190,11 @@ def run_stage(stage_name, tiny, machine, timeout_s, port, log, keep):
         log(f"=== {stage_name} / {side}: {stage['steps']} steps, window after step {stage['skip_steps']}, "
             f"timeout {stage['timeout_s']}s")
         try:
-            base_side = side.removeprefix("two_nodes:")
-            if base_side.startswith(("variant:", "config:", "ours")):
+            base_side = side.split(":", 1)[1] if side.startswith(("two_nodes:", "netns:")) else side
+            problem = make_two_hosts() if side.startswith("netns:") else None
+            if problem:
+                record = {"status": f"skipped: cannot make network namespaces ({problem})"}
+            elif base_side.startswith(("variant:", "config:", "ours")):
                 record = run_ours(stage_name, stage, shape, batch, tiny, port + index, log, side)
             elif base_side == "stress":
                 record = run_stress(stage_name, stage, shape, batch, tiny, port + index, log, side)
@@ -1137,6 +1202,9 @@ def run_stage(stage_name, tiny, machine, timeout_s, port, log, keep):
                 record = SIDE_RUNNERS[side](stage_name, stage, shape, batch, tiny, port + index, log)
         except Exception as error:  # one broken side must not cost the figures of the others
             record = {"status": f"error: {type(error).__name__}: {error}"}
+        finally:
+            if side.startswith("netns:"):
+                remove_two_hosts()
         record = {**base, "side": side, **record}
         record["mfu_by_our_formula"] = mfu_by_our_formula(record, shape, batch, stage["gpus"], machine["peak_flops"])
         log(f"=== {stage_name} / {side}: {record['status']}, tokens/s {number(record.get('tokens_per_sec'))} "
