@@ -465,8 +465,11 @@ def launch_envs(side, stage, tiny, port):
     common = {"MASTER_PORT": str(port), **stage.get("env", {}), **({"LAUNCH_DEVICE": "cpu"} if tiny else {})}
     if not side.startswith(("two_nodes:", "netns:")):
         return [{**device_env(stage["gpus"], tiny), "NPROC_PER_NODE": str(stage["gpus"]), **common}]
+    # OMP_NUM_THREADS: each launch.sh would give its one process all cores; two of them would then ask for twice
+    # the cores there are (on 2 CPU cores that made the --tiny two-node sides several times slower)
     envs = [{"CUDA_VISIBLE_DEVICES": "" if tiny else str(GPU_OFFSET + node), "NPROC_PER_NODE": "1", "NNODES": "2",
-             "NODE_RANK": str(node), "MASTER_ADDR": "127.0.0.1", **TWO_NODE_ENV, **common} for node in range(2)]
+             "NODE_RANK": str(node), "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // 2)),
+             **TWO_NODE_ENV, **common} for node in range(2)]
     if side.startswith("netns:"):  # gloo, too, needs the interface: it would take the address of the host's name
         for env, (_, _, interface) in zip(envs, NETNS_HOSTS):
             env.update(MASTER_ADDR=NETNS_HOSTS[0][0], NCCL_SOCKET_IFNAME=interface, GLOO_SOCKET_IFNAME=interface)
