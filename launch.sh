@@ -318,12 +318,15 @@ check_python
 check_cuda
 check_nccl
 check_processes
+if [ "$IS_TRAINER" = 1 ]; then check_config; fi
+# A worker node waits for the master before it looks at the data: node 0 prepares the default corpus before it
+# opens the rendezvous, so on a filesystem the nodes share, no two nodes build the same directory at once.
+if [ "$NODE_RANK" != 0 ]; then check_master_reachable; fi
 if [ "$IS_TRAINER" = 1 ]; then
-  check_config
   check_data
   check_checkpoint_dir
 fi
-if [ "$NODE_RANK" = 0 ]; then check_master_port_free; else check_master_reachable; fi
+if [ "$NODE_RANK" = 0 ]; then check_master_port_free; fi
 check_log_dir
 
 # ---------------------------------------------------------------- launch, watch, report

@@ -1394,7 +1394,7 @@ def busy_port():
 
 
 @pytest.mark.parametrize("case", ["script", "torch", "cuda", "nccl", "processes", "config", "data", "checkpoint",
-                                  "port", "master", "port_not_a_number", "port_out_of_range", "nodes", "node_rank",
+                                  "port", "master", "master_before_data", "port_not_a_number", "port_out_of_range", "nodes", "node_rank",
                                   "restarts", "log_dir", "not_a_rendezvous_server"])
 def test_each_launch_check_fails_with_its_message(case, data_dir, tmp_path, busy_port):
     """Break one condition at a time; the launch stops at that check with a reason and a fix.
@@ -1420,6 +1420,9 @@ def test_each_launch_check_fails_with_its_message(case, data_dir, tmp_path, busy
         "checkpoint": ([trainer_args[0], f"checkpoint.dir={tmp_path}/a_file/ckpt"], {}, "checkpoint dir", "cannot create"),
         "port": (["stress_test.py"], {"MASTER_PORT": str(busy_port)}, "master port", "Address already in use"),
         "master": (["stress_test.py"], worker_node, "master", "unreachable after 1s"),
+        # a worker node waits for node 0, which prepares the data, before it looks for the data itself
+        "master_before_data": ([f"data.dir={tmp_path}/nothing_here", *trainer_args[1:]],
+                               {**worker_node, "NPROC_PER_NODE": "1"}, "master", "unreachable after 1s"),
         "port_not_a_number": (["stress_test.py"], {"MASTER_PORT": "abc"}, "master port", "MASTER_PORT=abc is not a port"),
         "port_out_of_range": (["stress_test.py"], {"MASTER_PORT": "70000"}, "master port", "not a port number 1..65535"),
         "nodes": (["stress_test.py"], {"NNODES": "two"}, "nodes", "NNODES=two"),
@@ -2406,3 +2409,50 @@ def test_bench_compares_every_masked_lm_side_with_ours_and_scales_by_steps_per_s
     three_sequences = train_ddp.model_flops([[16] * 3], train_ddp.count_matmul_params(model), 2, 32, causal=True,
                                             attention_unpads=False, pad_to_multiple=8, seq_len=16)
     assert bench.flops_per_token(shape, batch) == three_sequences / (3 * 16)
+
+
+def test_bench_two_nodes_compares_sockets_with_nvlink_and_says_what_bf16_wins_back():
+    """Issue 12's figures from made-up records: step times (65,536 tokens per step) 60 ms over NVLink, 160 ms
+    over sockets, 110 ms with bf16 gradients; the all-reduce at 4 GB/s busbw predicts the sockets' cost."""
+    bench = load_bench()
+    envs = bench.launch_envs("two_nodes:ours", {"gpus": 2, "env": {"NCCL_DEBUG": "INFO"}}, False, 29700)
+    assert [(e["NODE_RANK"], e["CUDA_VISIBLE_DEVICES"], e["NPROC_PER_NODE"]) for e in envs] == [("0", "0", "1"),
+                                                                                              ("1", "1", "1")]
+    assert all(e["NCCL_P2P_DISABLE"] == e["NCCL_SHM_DISABLE"] == "1" and e["NCCL_DEBUG"] == "INFO" for e in envs)
+    assert "NNODES" not in bench.launch_envs("ours", {"gpus": 2}, False, 29700)[0]
+    nccl_log = ("h:1:2 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[1] [send] via NET/Socket/0\n"
+                "h:1:2 [0] NCCL INFO Channel 01/0 : 0[0] -> 1[1] [send] via NET/Socket/0\nstep 1/2 | loss 9\n")
+    assert bench.nccl_transports(nccl_log) == ["NET/Socket/0"] and bench.nccl_transports("no nccl") is None
+
+    common = {"date": "2026-12-01", "machine": "2 × GPU", "tiny": False, "stage": "two_nodes_shapeA_2gpu"}
+    table = [{"size": 2**20, "time_us": 100.0, "algbw": 10.0, "busbw": 10.0, "wrong": 0}]
+    stage_records = [
+        {**common, "side": "stress", "command": "s1", "allreduce": [{**table[0], "busbw": 300.0}],
+         "busbw_largest": 300.0, "size_largest": 2**20, "transports": ["P2P/CUMEM/read"]},
+        {**common, "side": "two_nodes:stress", "command": "s2", "allreduce": table, "busbw_largest": 4.0,
+         "size_largest": 2**20, "transports": ["NET/Socket/0"], "nodes": 2},
+        {**common, "side": "ours", "command": "nvlink", "tokens_per_sec": 65536 / 0.060},
+        {**common, "side": "two_nodes:ours", "command": "sockets", "tokens_per_sec": 65536 / 0.160,
+         "parameters_millions": 100.0, "loss_last": 5.0},
+        {**common, "side": "two_nodes:ours_bf16", "command": "bf16", "tokens_per_sec": 65536 / 0.110, "loss_last": 5.1},
+    ]
+    rows = {row["metric"]: row for row in bench.figures(stage_records)}
+    assert set(rows) == {"two_nodes_shapeA_tokens_per_sec", "two_nodes_shapeA_bf16_tokens_per_sec",
+                         "two_nodes_allreduce_busbw_gbps"}
+    assert rows["two_nodes_shapeA_tokens_per_sec"]["ratio"] == pytest.approx(60 / 160)
+    assert "take 100.0 ms if nothing overlaps" in rows["two_nodes_shapeA_tokens_per_sec"]["note"]  # 400 MB at 4 GB/s
+    bf16 = rows["two_nodes_shapeA_bf16_tokens_per_sec"]
+    assert bf16["ratio"] == pytest.approx(160 / 110) and "wins back 50.0%" in bf16["note"]
+    assert rows["two_nodes_allreduce_busbw_gbps"]["ratio"] == pytest.approx(4 / 300)
+    summary = bench.summary_markdown(stage_records, list(rows.values()))
+    assert "| 1,048,576 | 100.0, 300.00 | 100.0, 10.00 | 0 / 0 |" in summary and "NCCL via NET/Socket/0" in summary
+
+
+def test_bench_stops_the_other_nodes_when_one_fails(monkeypatch):
+    """A node left running would wait for the failed one until its collective timeout."""
+    bench = load_bench()
+    monkeypatch.setattr(bench, "FAILED_NODE_GRACE_S", 1)
+    command = ["sh", "-c", 'if [ "$NODE_RANK" = 0 ]; then exit 3; fi; echo waiting; sleep 120']
+    status, outputs, _ = bench.run_processes(command, REPO, [{"NODE_RANK": "0"}, {"NODE_RANK": "1"}], 100,
+                                             lambda line: None)
+    assert status == "failed (node 0: exit 3, node 1: exit -15)" and outputs[1] == "waiting\n"  # SIGTERM, not the end

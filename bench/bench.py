@@ -3,6 +3,7 @@
     python3 bench/bench.py                                    # every stage (a GPU machine; *_2gpu needs 2 GPUs)
     python3 bench/bench.py --stages shapeA_1gpu,hf_trainer    # some stages: split the work over several calls
     python3 bench/bench.py --stages metrics_cost_shapeA_1gpu  # issue 9: tokens/s with the metrics all on vs all off
+    python3 bench/bench.py --stages two_nodes_shapeA_2gpu     # issue 12: 2 GPUs as two "nodes" over sockets vs NVLink
     python3 bench/bench.py --tiny                             # CPU plumbing check: tiny shapes, fp32
     python3 bench/bench.py --record DIR [DIR ...]             # append earlier runs' results to bench/RESULTS.md
 
@@ -128,7 +129,7 @@ STAGES = {
                           "mlm": True, "batch": BERT_BATCH, "extra": ["model.type=bert"],
                           "side_extra": {"variant:bert_static_buckets": ["train.pad_to_multiple=128"],
                                          "variant:bert_unmarked": ["train.pad_to_multiple=1"]}},
-    "bert_2gpu": {"sides": ["ours"], "shape": "A", "gpus": 2, "steps": 70, "skip_steps": 20, "log_every": 10,
+    "bert_2gpu": {"sides": ["ours", "ours_pad_to_seq_len"], "shape": "A", "gpus": 2, "steps": 70, "skip_steps": 20, "log_every": 10,
                   "timeout_s": 200, "mlm": True, "batch": BERT_BATCH, "extra": ["model.type=bert"]},
     # issue 8: GPT-2 against a Llama of the same size (CONFIG_SIDES: SwiGLU's three matrices 8/3 x width wide hold
     # what GPT-2's two 4 x width ones do; RMSNorm, rotary positions, no biases, an untied output layer)
@@ -139,6 +140,23 @@ STAGES = {
     # torch.compile does not follow
     "dataparallel_shapeA_2gpu": {"sides": ["config:eager", "dataparallel"], "shape": "A", "gpus": 2, "steps": 50,
                                  "skip_steps": 10, "log_every": 10, "timeout_s": 200},
+    # issue 12: two "nodes" of one GPU each on this machine, joined by NCCL's socket transport (TWO_NODE_ENV), the
+    # "multi-node slower than one node" case: stress_test.py's all-reduce over the link, then shape A on 2 GPUs over
+    # NVLink ("ours") and over sockets ("two_nodes:..."), plain, with bf16 gradients, with 100 MiB buckets, with both.
+    # NCCL_DEBUG=INFO: each rank logs the transport of each channel ("via NET/Socket/0", "via P2P/CUMEM/read"),
+    # which run_ours and run_stress record. Estimate for the GPU machine: ~25 s per stress side, ~60 s for "ours"
+    # (reducer_shapeA_2gpu's sides took 55-75 s for 120 steps, ~50 s of it start-up and compilation), 70-95 s per
+    # socket side if a step takes 200-450 ms: 6.5-8 minutes in all, the least needed side ("both") last.
+    "two_nodes_shapeA_2gpu": {"sides": ["stress", "two_nodes:stress", "ours", "two_nodes:ours", "two_nodes:ours_bf16",
+                                        "two_nodes:ours_buckets", "two_nodes:ours_bf16_buckets"],
+                              "shape": "A", "gpus": 2, "steps": 100, "skip_steps": 20, "log_every": 10, "timeout_s": 160,
+                              "env": {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT"}},
+    # the same two nodes, each in its own network namespace, joined by a veth pair (NETNS_HOSTS): their own
+    # addresses, as two hosts have. Needs root and iproute2; where namespaces cannot be made, the sides say so
+    # ("skipped: ...") at no GPU time. ~2 minutes.
+    "two_nodes_netns_shapeA_2gpu": {"sides": ["netns:stress", "netns:ours"], "shape": "A", "gpus": 2, "steps": 100,
+                                    "skip_steps": 20, "log_every": 10, "timeout_s": 160,
+                                    "env": {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT"}},
     # issue 11: a 500k-token vocabulary with an untied output layer, the input embedding whole on the GPU against
     # tiered (its 32,768 most frequent rows on the GPU, the rest in CPU memory). Data: Zipf-distributed random
     # tokens (zipf_token_data); micro-batches of 8: the logits of 16 x 1024 x 500k would take 16 GB in bf16 alone.
@@ -165,7 +183,22 @@ SIDE_OVERRIDES = {
     "ours_fp32": ["train.precision=fp32"],
     "ours_fp16": ["train.precision=fp16"],
     "ours_pad_to_seq_len": ["train.pad_to_multiple=512"],  # >= seq_len (512 on GPU, 64 with --tiny): all padded to it
+    "ours_buckets": ["dist.bucket_mb=100"],  # fewer, larger all-reduces (shape A: 351 MiB of fp32 gradients a step)
+    "ours_bf16_buckets": ["dist.grad_compression=bf16", "dist.bucket_mb=100"],
 }
+# Sides "two_nodes:SIDE": SIDE run as two torchrun nodes of this machine (launch.sh with NNODES=2, NODE_RANK 0 and 1,
+# one GPU each, MASTER_ADDR 127.0.0.1), whose NCCL talks over TCP sockets as between two hosts without InfiniBand:
+# no CUDA peer access (NVLink, PCIe), no shared host memory, no InfiniBand/RoCE, no GPUDirect RDMA, and the loopback
+# interface named explicitly (NCCL does not pick lo by itself). Gloo (--tiny) ignores these variables.
+TWO_NODE_ENV = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_IB_DISABLE": "1", "NCCL_NET_GDR_LEVEL": "LOC",
+                "NCCL_SOCKET_IFNAME": "lo"}
+# Sides "netns:SIDE": as "two_nodes:SIDE", each node in a network namespace of its own: (address, namespace, interface)
+NETNS_HOSTS = [("10.78.0.1", "bench_node0", "bench_veth0"), ("10.78.0.2", "bench_node1", "bench_veth1")]
+# stress_test.py's all-reduce sweep: up to 256 MiB, about shape A's 351 MiB all-reduced at each step
+STRESS_ARGS = ["--ops", "all_reduce_sum", "--min-bytes", "1M", "--max-bytes", "256M", "--factor", "4", "--iters", "20",
+               "--warmup", "5", "--skip-grad-check"]
+TINY_STRESS_ARGS = ["--ops", "all_reduce_sum", "--min-bytes", "4K", "--max-bytes", "1M", "--factor", "4", "--iters", "5",
+                    "--warmup", "2", "--skip-grad-check"]
 TINY_STEPS = {"steps": 12, "skip_steps": 4, "log_every": 2, "timeout_s": 240}
 
 # Variants of train_ddp.py for the ablation: each is the trainer with one change, made by replacing text
@@ -372,33 +405,68 @@ class Log:
 def run_process(command, cwd, env_extra, timeout_s, log):
     """Run one side in its own process group and copy its output into the log as it comes.
     Returns (status, output, seconds); status is 'ok', 'failed (exit N)' or 'timeout after Ns'."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **env_extra}
+    status, outputs, seconds = run_processes(command, cwd, [env_extra], timeout_s, log)
+    return status, outputs[0], seconds
+
+
+# how long the other nodes of a side may run on after one failed: they would wait for it up to dist.timeout_s
+FAILED_NODE_GRACE_S = 30
+
+
+def run_processes(command, cwd, env_extras, timeout_s, log, prefixes=None):
+    """The same command once per environment in env_extras (one per "node"), all at once, each in its own
+    process group, after its entry of prefixes if given (e.g. ip netns exec NAME). Returns (status, [output of
+    each], seconds); with several, each logged line says its node."""
     start = time.perf_counter()
-    process = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, errors="replace", start_new_session=True)
-    lines = []
+    processes, outputs, readers = [], [], []
+    for node, env_extra in enumerate(env_extras):
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **env_extra}
+        process = subprocess.Popen([*(prefixes[node] if prefixes else []), *command], cwd=cwd, env=env,
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                   text=True, errors="replace", start_new_session=True)
+        lines, prefix = [], f"[node {node}] " if len(env_extras) > 1 else ""
 
-    def copy_output():
-        for line in process.stdout:
-            lines.append(line)
-            log(line.rstrip("\n"))
+        def copy_output(process=process, lines=lines, prefix=prefix):
+            for line in process.stdout:
+                lines.append(line)
+                log(prefix + line.rstrip("\n"))
 
-    reader = threading.Thread(target=copy_output, daemon=True)
-    reader.start()
-    try:
-        returncode = process.wait(timeout=timeout_s)
-        status = "ok" if returncode == 0 else f"failed (exit {returncode})"
-    except subprocess.TimeoutExpired:
-        # the whole group: torchrun's workers would otherwise keep their GPUs busy for the next side
+        reader = threading.Thread(target=copy_output, daemon=True)
+        reader.start()
+        processes.append(process)
+        outputs.append(lines)
+        readers.append(reader)
+    deadline, failed_at, status = start + timeout_s, None, None
+    while any(process.poll() is None for process in processes):
+        now = time.perf_counter()
+        if failed_at is None and any(process.poll() not in (None, 0) for process in processes):
+            failed_at = now
+        if now > deadline or (failed_at is not None and now > failed_at + FAILED_NODE_GRACE_S):
+            status = f"timeout after {timeout_s}s" if now > deadline else None
+            stop_groups([process for process in processes if process.poll() is None])
+            break
+        time.sleep(0.2)
+    codes = [process.wait() for process in processes]
+    if status is None:
+        bad = [(node, code) for node, code in enumerate(codes) if code != 0]
+        status = "ok" if not bad else "failed (" + ", ".join(
+            (f"node {node}: " if len(codes) > 1 else "") + f"exit {code}" for node, code in bad) + ")"
+    for reader in readers:
+        reader.join(timeout=10)
+    return status, ["".join(lines) for lines in outputs], time.perf_counter() - start
+
+
+def stop_groups(processes):
+    """SIGTERM to each whole group (torchrun's workers would otherwise keep their GPUs busy for the next
+    side), SIGKILL to those still there 20 s later."""
+    for process in processes:
         os.killpg(process.pid, signal.SIGTERM)
+    for process in processes:
         try:
             process.wait(timeout=20)
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
-        status = f"timeout after {timeout_s}s"
-    reader.join(timeout=10)
-    return status, "".join(lines), time.perf_counter() - start
 
 
 def shell_text(command, env_extra, cwd):
@@ -438,17 +506,81 @@ def variant_script(name):
     return directory / "train_ddp.py"
 
 
+def launch_envs(side, stage, tiny, port):
+    """launch.sh's environment for each process a side starts: one node of stage["gpus"] processes, or, for
+    "two_nodes:..." sides, two nodes of one GPU each. Both nodes share this machine's files (out_dir,
+    checkpoint.dir): only global rank 0 writes metrics.jsonl and checkpoints, and launch.sh names each node's
+    log directory after its node rank and pid."""
+    common = {"MASTER_PORT": str(port), **stage.get("env", {}), **({"LAUNCH_DEVICE": "cpu"} if tiny else {})}
+    if not side.startswith(("two_nodes:", "netns:")):
+        return [{**device_env(stage["gpus"], tiny), "NPROC_PER_NODE": str(stage["gpus"]), **common}]
+    # OMP_NUM_THREADS: each launch.sh would give its one process all cores; two of them would then ask for twice
+    # the cores there are (on 2 CPU cores that made the --tiny two-node sides several times slower)
+    envs = [{"CUDA_VISIBLE_DEVICES": "" if tiny else str(GPU_OFFSET + node), "NPROC_PER_NODE": "1", "NNODES": "2",
+             "NODE_RANK": str(node), "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // 2)),
+             **TWO_NODE_ENV, **common} for node in range(2)]
+    if side.startswith("netns:"):  # gloo, too, needs the interface: it would take the address of the host's name
+        for env, (_, _, interface) in zip(envs, NETNS_HOSTS):
+            env.update(MASTER_ADDR=NETNS_HOSTS[0][0], NCCL_SOCKET_IFNAME=interface, GLOO_SOCKET_IFNAME=interface)
+    return envs
+
+
+def netns_prefixes(side):
+    return [["ip", "netns", "exec", namespace] for _, namespace, _ in NETNS_HOSTS] if side.startswith("netns:") else None
+
+
+def launch_text(command, env_extras, prefixes=None):
+    """The side's command line(s) as one could paste them into a shell: several nodes start in the background."""
+    texts = [(" ".join(prefixes[node]) + " env " if prefixes else "") + shell_text(command, env_extra, REPO)
+             for node, env_extra in enumerate(env_extras)]
+    return texts[0] if len(texts) == 1 else " & ".join(texts) + " & wait"
+
+
+def make_two_hosts():
+    """NETNS_HOSTS: two network namespaces joined by a veth pair, as test_smoke.py's two_hosts fixture makes
+    them (root and iproute2 needed). Returns None, or why they could not be made."""
+    remove_two_hosts()
+    (_, ns_a, if_a), (_, ns_b, if_b) = NETNS_HOSTS
+    steps = [["netns", "add", ns_a], ["netns", "add", ns_b], ["link", "add", if_a, "type", "veth", "peer", "name", if_b],
+             ["link", "set", if_a, "netns", ns_a], ["link", "set", if_b, "netns", ns_b]]
+    for address, namespace, interface in NETNS_HOSTS:
+        steps += [["-n", namespace, "addr", "add", f"{address}/24", "dev", interface],
+                  ["-n", namespace, "link", "set", "lo", "up"], ["-n", namespace, "link", "set", interface, "up"]]
+    for step in steps:
+        try:
+            done = subprocess.run(["ip", *step], capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired) as error:
+            return f"ip {' '.join(step)}: {error}"
+        if done.returncode != 0:
+            remove_two_hosts()
+            return f"ip {' '.join(step)}: {done.stderr.strip()}"
+    return None
+
+
+def remove_two_hosts():
+    """Deleting a namespace also deletes the veth end inside it, and with it the other end."""
+    for _, namespace, interface in NETNS_HOSTS:
+        for command in [["ip", "netns", "del", namespace], ["ip", "link", "del", interface]]:
+            try:
+                subprocess.run(command, capture_output=True, timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+
+
+def nccl_transports(output):
+    """The distinct transports NCCL_DEBUG=INFO reported for its channels: 'NET/Socket/0', 'P2P/CUMEM/read', ..."""
+    return sorted(set(re.findall(r"NCCL INFO Channel .* via (\S+)", output))) or None
+
+
 def run_ours(stage_name, stage, shape, batch, tiny, port, log, side="ours"):
-    if tiny and "train.precision=fp16" in SIDE_OVERRIDES.get(side, []):
+    base_side = side.split(":", 1)[1] if side.startswith(("two_nodes:", "netns:")) else side
+    if tiny and "train.precision=fp16" in SIDE_OVERRIDES.get(base_side, []):
         return {"status": "skipped: fp16 needs a GPU"}
     if tiny and side == "variant:sync_debug":  # torch.cuda.set_sync_debug_mode asserts without CUDA
         return {"status": "skipped: sync debug mode needs a GPU"}
     run_dir = WORK_DIR / stage_name / side.replace(":", "_").replace("#", "_")
     remove_tree(run_dir)  # a checkpoint left there would be resumed (checkpoint.resume=auto) and train no step
-    env_extra = {**device_env(stage["gpus"], tiny), "NPROC_PER_NODE": str(stage["gpus"]), "MASTER_PORT": str(port),
-                 **stage.get("env", {})}
-    if tiny:
-        env_extra["LAUNCH_DEVICE"] = "cpu"
+    env_extras = launch_envs(side, stage, tiny, port)
     overrides = our_overrides(shape, batch, stage["steps"], stage["log_every"], run_dir.relative_to(REPO), tiny)
     data_dir = zipf_token_data(batch["vocab_size"], tiny).relative_to(REPO) if stage.get("zipf_data") else None
     if data_dir:
@@ -457,17 +589,20 @@ def run_ours(stage_name, stage, shape, batch, tiny, port, log, side="ours"):
         overrides = [o for o in overrides if o not in ("checkpoint.every=0", "export=false")]
         overrides += [f"checkpoint.every={stage['steps']}", "log.sample_prompt="]
     script = {"ours": "train_ddp.py", "ours_tiered": "train_ddp.py", "ours_fsdp": "train_fsdp.py",
-              **{name: "train_ddp.py" for name in SIDE_OVERRIDES}}.get(side)
-    if side.startswith("variant:"):
-        script = str(variant_script(side.split(":", 1)[1]).relative_to(REPO))
-    if side.startswith("config:"):
+              **{name: "train_ddp.py" for name in SIDE_OVERRIDES}}.get(base_side)
+    if base_side.startswith("variant:"):
+        script = str(variant_script(base_side.split(":", 1)[1]).relative_to(REPO))
+    if base_side.startswith("config:"):
         script = "train_ddp.py"
         overrides += [o.format(prometheus_port=port + 5, intermediate_size=round(8 / 3 * shape["n_embd"] / 64) * 64)
-                      for o in CONFIG_SIDES[side.split(":", 1)[1].split("#")[0]]]
-    command = ["bash", "launch.sh", script, *overrides, *stage.get("extra", []), *SIDE_OVERRIDES.get(side, []),
+                      for o in CONFIG_SIDES[base_side.split(":", 1)[1].split("#")[0]]]
+    command = ["bash", "launch.sh", script, *overrides, *stage.get("extra", []), *SIDE_OVERRIDES.get(base_side, []),
                *stage.get("side_extra", {}).get(side, [])]
-    status, output, seconds = run_process(command, REPO, env_extra, stage["timeout_s"], log)
-    record = {"command": shell_text(command, env_extra, REPO), "status": status, "seconds": round(seconds, 1)}
+    prefixes = netns_prefixes(side)
+    status, outputs, seconds = run_processes(command, REPO, env_extras, stage["timeout_s"], log, prefixes)
+    output = "".join(outputs)  # rank 0, which logs, runs on one of the nodes: torchrun decides which
+    record = {"command": launch_text(command, env_extras, prefixes), "status": status, "seconds": round(seconds, 1),
+              "nodes": len(env_extras), "transports": nccl_transports(output)}
     if data_dir:
         record["data_dir"] = str(data_dir)
     if side == "variant:sync_debug":  # warnings between the first and the last logged step
@@ -495,6 +630,29 @@ def run_ours(stage_name, stage, shape, batch, tiny, port, log, side="ours"):
         record.update(read_our_metrics(records, stage["skip_steps"]))
     for name in ["ckpt", "final"]:  # shape B's checkpoint is ~9 GB; the next stage needs the disk
         remove_tree(run_dir / name)
+    return record
+
+
+def run_stress(stage_name, stage, shape, batch, tiny, port, log, side="stress"):
+    """stress_test.py's all-reduce table (STRESS_ARGS) on the stage's GPUs: one node, or two ("two_nodes:stress",
+    "netns:stress")."""
+    run_dir = WORK_DIR / stage_name / side.replace(":", "_")
+    remove_tree(run_dir)
+    run_dir.mkdir(parents=True)
+    env_extras = launch_envs(side, stage, tiny, port)
+    command = ["bash", "launch.sh", "stress_test.py", *(TINY_STRESS_ARGS if tiny else STRESS_ARGS),
+               "--json", str((run_dir / "stress.json").relative_to(REPO))]
+    prefixes = netns_prefixes(side)
+    status, outputs, seconds = run_processes(command, REPO, env_extras, stage["timeout_s"], log, prefixes)
+    record = {"command": launch_text(command, env_extras, prefixes), "status": status, "seconds": round(seconds, 1),
+              "nodes": len(env_extras), "transports": nccl_transports("".join(outputs))}
+    if (run_dir / "stress.json").is_file():  # rank 0 writes it, on either node: both see this directory
+        result = json.loads((run_dir / "stress.json").read_text())
+        record["allreduce"] = [{key: row[key] for key in ["size", "time_us", "algbw", "busbw", "wrong"]}
+                               for row in result["rows"]]
+        record["backend"] = result["run"]["backend"]
+        largest = max(result["rows"], key=lambda row: row["size"])
+        record["busbw_largest"], record["size_largest"] = largest["busbw"], largest["size"]
     return record
 
 
@@ -928,6 +1086,16 @@ def figures(stage_records):
                     f"measured by the trainer (time in wait()): {number(side.get('comm_exposed_ms'), 2)}; all-reduce "
                     f"p50/p95 {number(side.get('allreduce_p50_ms'), 2)}/{number(side.get('allreduce_p95_ms'), 2)} ms")
     bert_figures(by_stage, row)
+    two_node_figures(by_stage.get("two_nodes_shapeA_2gpu", {}), row)
+    over_veth, over_lo = (by_stage.get(name, {}).get(side) for name, side in [
+        ("two_nodes_netns_shapeA_2gpu", "netns:ours"), ("two_nodes_shapeA_2gpu", "two_nodes:ours")])
+    if over_veth:
+        over_lo = over_lo or {}
+        row("two_nodes_netns_shapeA_tokens_per_sec", over_veth.get("tokens_per_sec"), "tokens/s",
+            "two nodes over loopback (two_nodes_shapeA_2gpu)", over_lo.get("tokens_per_sec"), over_veth.get("command"),
+            over_lo.get("command"), over_veth, f"each node in its own network namespace, NCCL via "
+            f"{transports_text(over_veth)}" + ("; the baseline ran on another day" if over_lo and
+                                               over_veth.get("date") != over_lo.get("date") else ""))
     return rows
 
 
@@ -973,6 +1141,69 @@ def bert_figures(by_stage, row):
             f"{ours.get('command')} ; {two.get('command')}", None, two,
             note="target: at least 1.95" + ("" if two.get("machine") == ours.get("machine")
                                             else "; 1 and 2 GPUs ran on different machines"))
+
+
+def two_node_figures(sides, row):
+    """Issue 12: shape A over sockets against NVLink, what bf16 gradients and larger buckets win back, and the
+    all-reduce bandwidth of each link, each through row(). Gap figures use step times (tokens per step /
+    tokens/s), which add up where tokens/s do not."""
+    if not sides:
+        return
+    nvlink, sockets = sides.get("ours") or {}, sides.get("two_nodes:ours") or {}
+    batch = TINY_BATCH if (sockets or nvlink).get("tiny") else BATCH
+
+    def step_ms(side):
+        return 1000 * tokens_per_step(batch) / side["tokens_per_sec"] if side.get("tokens_per_sec") else None
+
+    stress_nvlink, stress_sockets = sides.get("stress") or {}, sides.get("two_nodes:stress") or {}
+    gpus = STAGES["two_nodes_shapeA_2gpu"]["gpus"]
+
+    def allreduce_ms(parameters_millions, bytes_per_value):
+        """The step's gradients all-reduced at the stress table's largest-size bus bandwidth, nothing overlapped:
+        a ring all-reduce moves 2(n-1)/n of the data through each GPU's link, and busbw = that / time."""
+        busbw = stress_sockets.get("busbw_largest")
+        if not (busbw and parameters_millions):
+            return None
+        return 1000 * parameters_millions * 1e6 * bytes_per_value * 2 * (gpus - 1) / gpus / (busbw * 1e9)
+
+    plain_ms, nvlink_ms = step_ms(sockets), step_ms(nvlink)
+    if sockets:
+        predicted = allreduce_ms(sockets.get("parameters_millions"), 4)
+        row("two_nodes_shapeA_tokens_per_sec", sockets.get("tokens_per_sec"), "tokens/s",
+            "one node, 2 GPUs over NVLink (ours), same call", nvlink.get("tokens_per_sec"), sockets.get("command"),
+            nvlink.get("command"), sockets,
+            f"step {number(plain_ms, 1)} ms vs {number(nvlink_ms, 1)} ms over NVLink; the fp32 gradients "
+            f"({number(sockets.get('parameters_millions'), 1)}M x 4 bytes) all-reduced at the socket link's "
+            f"measured bus bandwidth take {number(predicted, 1)} ms if nothing overlaps; NCCL via "
+            f"{transports_text(sockets)} vs {transports_text(nvlink)}")
+    for name, metric, label in [
+            ("two_nodes:ours_bf16", "two_nodes_shapeA_bf16_tokens_per_sec", "two nodes, fp32 gradients"),
+            ("two_nodes:ours_buckets", "two_nodes_shapeA_buckets_tokens_per_sec", "two nodes, 25 MiB buckets"),
+            ("two_nodes:ours_bf16_buckets", "two_nodes_shapeA_bf16_buckets_tokens_per_sec",
+             "two nodes, fp32 gradients in 25 MiB buckets")]:
+        side = sides.get(name)
+        if not side:
+            continue
+        side_ms = step_ms(side)
+        recovered = ((plain_ms - side_ms) / (plain_ms - nvlink_ms)
+                     if None not in (side_ms, plain_ms, nvlink_ms) and plain_ms > nvlink_ms else None)
+        row(metric, side.get("tokens_per_sec"), "tokens/s", label + ", same call", sockets.get("tokens_per_sec"),
+            side.get("command"), sockets.get("command"), side,
+            f"step {number(side_ms, 1)} ms vs {number(plain_ms, 1)} ms (NVLink {number(nvlink_ms, 1)} ms): "
+            f"wins back {percent(recovered)} of the step time that sockets add; last logged loss "
+            f"{number(side.get('loss_last'), 4)} vs {number(sockets.get('loss_last'), 4)}")
+    if stress_sockets:
+        size = stress_sockets.get("size_largest")
+        same_size = next((r["busbw"] for r in stress_nvlink.get("allreduce") or [] if r["size"] == size), None)
+        row("two_nodes_allreduce_busbw_gbps", stress_sockets.get("busbw_largest"),
+            f"GB/s bus bandwidth of an fp32 all-reduce of {size} bytes (stress_test.py, nccl-tests' busbw)",
+            "one node, 2 GPUs over NVLink, same size, same call", same_size, stress_sockets.get("command"),
+            stress_nvlink.get("command"), stress_sockets,
+            f"NCCL via {transports_text(stress_sockets)} vs {transports_text(stress_nvlink)}")
+
+
+def transports_text(record):
+    return " ".join(record.get("transports") or []) or "(no NCCL channel logged)"
 
 
 def number(value, digits=0):
@@ -1038,6 +1269,12 @@ def summary_markdown(stage_records, rows):
             if STAGES.get(r["stage"], {}).get("mlm") and r.get("steps_per_sec") is not None:
                 extra += (f", {r['steps_per_sec']:.2f} steps/s, tokens/s max/min "
                           f"{number(r.get('tokens_per_sec_max_over_min'), 2)}")
+            if r.get("busbw_largest") is not None:
+                extra += f", all-reduce busbw {r['busbw_largest']:.2f} GB/s at {r['size_largest']:,} B"
+            if r.get("nodes", 1) > 1:
+                extra += f", {r['nodes']} nodes"
+            if r.get("transports"):
+                extra += f", NCCL via {' '.join(r['transports'])}"
             if r.get("embedding_mib"):
                 extra += ", input embedding " + " + ".join(f"{mib:,.0f} MiB on {kind}"
                                                            for kind, mib in sorted(r["embedding_mib"].items()))
@@ -1065,6 +1302,25 @@ def summary_markdown(stage_records, rows):
                   f"{row['unit']}" + (f"; {row['baseline']}: {number(row['baseline_value'], 3)}, ratio "
                                       f"{number(row['ratio'], 3)}" if row["baseline"] else "")
                   + (f"; {row['note']}" if row["note"] else "") for row in bert]
+    issue_12 = [row for row in rows if row["metric"].startswith("two_nodes_")]
+    if issue_12:
+        lines += ["", "Issue 12 (two nodes of one GPU each over NCCL's socket transport, bench.py TWO_NODE_ENV; "
+                  "ratio = value / baseline):", ""]
+        lines += [f"- {row['metric']}: {number(row['value'], 2 if 'busbw' in row['metric'] else 0)} {row['unit']}"
+                  + (f"; {row['baseline']}: {number(row['baseline_value'], 2 if 'busbw' in row['metric'] else 0)}, "
+                     f"ratio {number(row['ratio'], 3)}" if row["baseline"] else "") + (f"; {row['note']}" if row["note"] else "")
+                  for row in issue_12]
+    stress = by_stage.get("two_nodes_shapeA_2gpu", {})
+    tables = {side: {r["size"]: r for r in stress.get(side, {}).get("allreduce") or []}
+              for side in ["stress", "two_nodes:stress"]}
+    if any(tables.values()):
+        lines += ["", "| all-reduce fp32, bytes | one node (NVLink): time us, busbw GB/s | two nodes (sockets): time us, "
+                  "busbw GB/s | #wrong |", "|---|---|---|---|"]
+        for size in sorted(set(tables["stress"]) | set(tables["two_nodes:stress"])):
+            one, two = tables["stress"].get(size, {}), tables["two_nodes:stress"].get(size, {})
+            lines.append(f"| {size:,} | {number(one.get('time_us'), 1)}, {number(one.get('busbw'), 2)} "
+                         f"| {number(two.get('time_us'), 1)}, {number(two.get('busbw'), 2)} "
+                         f"| {one.get('wrong', '—')} / {two.get('wrong', '—')} |")
     lines += ["", "Commands (from the repository root; each side's seconds include start-up, compile, "
               "the unavoidable evaluations, ours' final checkpoint and export):", ""]
     for r in stage_records:
@@ -1158,12 +1414,21 @@ def run_stage(stage_name, tiny, machine, timeout_s, port, log, keep):
         log(f"=== {stage_name} / {side}: {stage['steps']} steps, window after step {stage['skip_steps']}, "
             f"timeout {stage['timeout_s']}s")
         try:
-            if side.startswith(("variant:", "config:", "ours")):
+            base_side = side.split(":", 1)[1] if side.startswith(("two_nodes:", "netns:")) else side
+            problem = make_two_hosts() if side.startswith("netns:") else None
+            if problem:
+                record = {"status": f"skipped: cannot make network namespaces ({problem})"}
+            elif base_side.startswith(("variant:", "config:", "ours")):
                 record = run_ours(stage_name, stage, shape, batch, tiny, port + index, log, side)
+            elif base_side == "stress":
+                record = run_stress(stage_name, stage, shape, batch, tiny, port + index, log, side)
             else:
                 record = SIDE_RUNNERS[side](stage_name, stage, shape, batch, tiny, port + index, log)
         except Exception as error:  # one broken side must not cost the figures of the others
             record = {"status": f"error: {type(error).__name__}: {error}"}
+        finally:
+            if side.startswith("netns:"):
+                remove_two_hosts()
         record = {**base, "side": side, **record}
         # the formula counts a causal step of fixed length: for a masked LM only the trainer's own MFU holds
         record["mfu_by_our_formula"] = (None if stage.get("mlm") else
