@@ -129,7 +129,8 @@ STAGES = {
                           "mlm": True, "batch": BERT_BATCH, "extra": ["model.type=bert"],
                           "side_extra": {"variant:bert_static_buckets": ["train.pad_to_multiple=128"],
                                          "variant:bert_unmarked": ["train.pad_to_multiple=1"]}},
-    "bert_2gpu": {"sides": ["ours", "ours_pad_to_seq_len"], "shape": "A", "gpus": 2, "steps": 70, "skip_steps": 20, "log_every": 10,
+    "bert_2gpu": {"sides": ["ours", "ours_pad_to_seq_len"], "shape": "A", "gpus": 2, "steps": 70, "skip_steps": 20,
+                  "log_every": 10,
                   "timeout_s": 200, "mlm": True, "batch": BERT_BATCH, "extra": ["model.type=bert"]},
     # issue 8: GPT-2 against a Llama of the same size (CONFIG_SIDES: SwiGLU's three matrices 8/3 x width wide hold
     # what GPT-2's two 4 x width ones do; RMSNorm, rotary positions, no biases, an untied output layer)
