@@ -485,7 +485,7 @@ RANGES = {
     "train.eval_every": AT_LEAST_1,
     "train.eval_batches": AT_LEAST_1,
     "train.mlm_probability": (lambda v: 0 < v < 1, "between 0 and 1"),
-    "train.pad_to_multiple": AT_LEAST_1,
+    "train.pad_to_multiple": (lambda v: v >= 0, "of at least 0 (0 = pad every masked-LM batch to train.seq_len)"),
     "train.max_bad_steps": AT_LEAST_1,
     "optim.lr": (lambda v: v > 0, "above 0"),
     "optim.min_lr": (lambda v: v >= 0, "of at least 0"),
@@ -834,7 +834,7 @@ def make_micro_batch(split_data, sample_ids, epochs, cfg, special, device):
     if split_data.task == "causal":
         blocks = torch.from_numpy(np.stack(samples))
         input_ids, labels, attention_mask = blocks[:, :-1], blocks[:, 1:], None
-    else:  # MLM, dynamic padding: to the longest sample of this micro-batch (rounded up), not to seq_len
+    else:  # MLM: to seq_len (train.pad_to_multiple=0), or to the longest sample of this micro-batch, rounded up
         length = padded_length(max(len(s) for s in samples), cfg.train.pad_to_multiple, split_data.seq_len)
         input_ids = torch.full((len(samples), length), special["pad"], dtype=torch.long)
         labels = torch.full((len(samples), length), IGNORE_INDEX, dtype=torch.long)
@@ -849,7 +849,7 @@ def make_micro_batch(split_data, sample_ids, epochs, cfg, special, device):
     if device.type == "cuda":  # a copy from pageable memory makes the host wait for the GPU; from pinned it does not
         batch = {key: value.pin_memory().to(device, non_blocking=True) if value is not None else None
                  for key, value in batch.items()}
-    if split_data.task == "mlm" and cfg.train.pad_to_multiple < split_data.seq_len:  # MLM
+    if split_data.task == "mlm" and 0 < cfg.train.pad_to_multiple < split_data.seq_len:  # MLM
         # One compiled graph for all lengths from the first step. Unmarked, Dynamo compiles the model and the loss
         # for the first length alone and again at the second, then with the length dynamic (automatic dynamic
         # shapes): 5 graphs instead of 3, counted on CPU (test_masked_lm_compiles_one_graph_for_all_padded_lengths
@@ -865,7 +865,9 @@ def make_micro_batch(split_data, sample_ids, epochs, cfg, special, device):
 
 def padded_length(longest, pad_to_multiple, seq_len):  # MLM
     """The length a masked-LM micro-batch is padded to: its longest sample rounded up to a multiple of
-    train.pad_to_multiple, at most seq_len."""
+    train.pad_to_multiple, at most seq_len; seq_len itself with 0."""
+    if pad_to_multiple == 0:
+        return seq_len
     return min(-(-longest // pad_to_multiple) * pad_to_multiple, seq_len)
 
 
