@@ -300,8 +300,8 @@ def main():
             with ddp_model.no_sync() if ddp_model and not is_last else contextlib.nullcontext():
                 with autocast:
                     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-                if task == "mlm":  # MLM: the loss's graph too serves every padded length (see make_micro_batch)
-                    torch._dynamo.maybe_mark_dynamic(logits, 1)
+                if task == "mlm" and 0 < cfg.train.pad_to_multiple < cfg.train.seq_len:  # MLM: dynamic padding: the
+                    torch._dynamo.maybe_mark_dynamic(logits, 1)  # loss's graph too serves every length (make_micro_batch)
                 loss_sum = loss_of(logits, batch["labels"])
                 if fault("nan", step + 1):  # FAULT
                     loss_sum = loss_sum * float("nan")  # FAULT
