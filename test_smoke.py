@@ -2144,6 +2144,9 @@ def test_prometheus_answers_during_a_run_with_the_logged_numbers_and_a_slow_rank
     record = {r["step"]: r for r in read_metrics(tmp_path, "train")}[4]
     numbers = {f"trainer_{key}": value for key, value in record.items() if isinstance(value, (int, float))}
     assert scraped[0].pop("trainer_val_loss") == pytest.approx(read_metrics(tmp_path, "val")[0]["val_loss"], rel=1e-12)
+    [memory] = read_metrics(tmp_path, "memory")  # step 2's memory accounting is a gauge of its own too
+    for key in [key for key in memory if key.endswith("_bytes")]:
+        assert scraped[0].pop(f"trainer_{key}") == memory[key], key
     assert scraped[0] == pytest.approx(numbers, rel=1e-12)  # rank 0's gauges: the logged record, number for number
     assert "trainer_mfu" not in scraped[0] and "trainer_gpu_util" not in scraped[0]  # null on a CPU: no gauge
     for name in ["trainer_loss", "trainer_grad_norm", "trainer_data_wait_frac", "trainer_step_time_skew"]:
