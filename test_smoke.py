@@ -305,18 +305,40 @@ def test_length_grouping_puts_similar_lengths_in_one_micro_batch():
 def test_masking_depends_only_on_seed_epoch_and_sample():
     special = {"mask": 2, "cls": 3, "sep": 4}
     tokens = np.array([3] + list(range(10, 210)) + [4])
-    first = train_ddp.mask_tokens(tokens, 1, 0, 42, special, 400, 0.15)
-    again = train_ddp.mask_tokens(tokens, 1, 0, 42, special, 400, 0.15)
-    other_epoch = train_ddp.mask_tokens(tokens, 1, 1, 42, special, 400, 0.15)
+    padded = np.array([[*tokens, 0, 0, 0], [*tokens[:50], 4, *[0] * 154]])  # a micro-batch of two samples
+
+    def mask(epoch, sample_ids):
+        return train_ddp.mask_tokens(padded, np.array([202, 51]), 1, np.array([epoch, epoch]), np.array(sample_ids),
+                                     special, 400, 0.15)
+
+    first, again, other_epoch, other_partner = mask(0, [42, 7]), mask(0, [42, 7]), mask(1, [42, 7]), mask(0, [42, 8])
     assert all(np.array_equal(a, b) for a, b in zip(first, again))
-    assert not np.array_equal(first[1], other_epoch[1])
-    inputs, labels = first
+    assert not np.array_equal(first[1][0], other_epoch[1][0])
+    assert np.array_equal(first[1][0], other_partner[1][0])  # a sample's masking ignores the rest of its batch
+    assert (first[1][1, 50:] == train_ddp.IGNORE_INDEX).all()  # [SEP] and padding are never targets
+    inputs, labels = first[0][0, :202], first[1][0, :202]
     masked = labels != train_ddp.IGNORE_INDEX
     assert 0.08 < masked.mean() < 0.22
     assert not masked[0] and not masked[-1]  # [CLS] and [SEP] are never targets
     assert (labels[masked] == tokens[masked]).all()
     assert (inputs[~masked] == tokens[~masked]).all()
     assert (inputs[masked] == 2).mean() > 0.6  # about 80% of targets read [MASK]
+
+
+
+def test_the_label_count_every_rank_makes_equals_the_labels_of_all_ranks_micro_batches(data_dir):
+    """The loss is divided by the global batch's label tokens, which each rank counts on the host from the shared
+    plan (rank_batches); for a masked LM that count must draw exactly the positions make_micro_batch masks."""
+    meta = train_ddp.read_meta(data_dir)
+    cfg = train_ddp.load_config(["model.type=bert", "train.seq_len=64", "train.global_batch_size=12",
+                                 "train.micro_batch_size=3", "train.pad_to_multiple=8"], use_cuda=False)
+    data = train_ddp.ArrowTokens(data_dir, meta, "train", "mlm", 64, meta["special_tokens"])
+    for world_size in (1, 2):
+        labels = 0
+        for rank in range(world_size):
+            batches, _, label_tokens, _ = train_ddp.rank_batches(data, 24, 5, cfg, world_size, rank, torch.device("cpu"))
+            labels += sum(int((batch["labels"] != train_ddp.IGNORE_INDEX).sum()) for batch in batches)
+        assert label_tokens == labels > 0
 
 
 # ----------------------------------------------------------------------------- loss normalization
