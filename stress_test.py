@@ -180,6 +180,11 @@ def die(message, exit_code=2):
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+    elif int(os.environ.get("RANK", 0)) != 0:
+        # Before the group exists nothing holds this rank back: had it exited first, torchrun would have stopped
+        # rank 0 before its line was printed (seen once on CI: a bad option, no error line). Rank 0's exit ends
+        # this wait: torchrun then stops the other ranks.
+        time.sleep(10)
     sys.exit(exit_code)
 
 
