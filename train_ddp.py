@@ -17,8 +17,8 @@ vocabulary's input embedding in CPU memory).
 
 import contextlib
 import difflib
-import gc
 import functools
+import gc
 import json
 import math
 import os
@@ -179,9 +179,9 @@ def main():
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg))
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")  # fp16 gradients underflow without it
     predicted = memory_prediction(raw_model, device)
-    log0(f"memory per rank, predicted from the parameters' counts and dtypes: weights {predicted['weights'] / 2**20:,.1f} "
-         f"MiB, gradients {predicted['gradients'] / 2**20:,.1f} MiB, AdamW state {predicted['optimizer'] / 2**20:,.1f} MiB "
-         f"on {device.type}; activations are measured at step 2")
+    log0(f"memory per rank, predicted from the parameters' counts and dtypes: weights "
+         f"{predicted['weights'] / 2**20:,.1f} MiB, gradients {predicted['gradients'] / 2**20:,.1f} MiB, AdamW state "
+         f"{predicted['optimizer'] / 2**20:,.1f} MiB on {device.type}; activations are measured at step 2")
 
     # ------------------------------------------------------------------------- 6. checkpoint
     ckpt_dir = Path(cfg.checkpoint.dir)
@@ -268,7 +268,6 @@ def main():
     interval_steps, interval_input_tokens, interval_label_tokens, interval_skipped = 0, 0, 0, 0
     interval_flops = 0
     interval_start, paused_s, bad_steps_in_a_row = time.perf_counter(), 0.0, 0
-    embedding_reported = False
     # AdamW creates its state in the first update, so the second step of a run is the first whose peak holds
     # everything: weights, gradients, optimizer state and the activations of backward
     memory_report_step = min(step + 2, cfg.train.max_steps)
@@ -300,8 +299,8 @@ def main():
             with ddp_model.no_sync() if ddp_model and not is_last else contextlib.nullcontext():
                 with autocast:
                     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-                if task == "mlm" and 0 < cfg.train.pad_to_multiple < cfg.train.seq_len:  # MLM: dynamic padding: the
-                    torch._dynamo.maybe_mark_dynamic(logits, 1)  # loss's graph too serves every length (make_micro_batch)
+                if task == "mlm" and 0 < cfg.train.pad_to_multiple < cfg.train.seq_len:  # MLM: dynamic padding:
+                    torch._dynamo.maybe_mark_dynamic(logits, 1)  # MLM: the loss's graph serves every length too
                 loss_sum = loss_of(logits, batch["labels"])
                 if fault("nan", step + 1):  # FAULT
                     loss_sum = loss_sum * float("nan")  # FAULT
@@ -351,17 +350,15 @@ def main():
             scaler.step(optimizer)  # fp16: also skips steps whose scaled gradients overflowed
             if tiered:  # tiered: lazy AdamW on the CPU rows of this step (on the GPU), at this step's learning rate
                 tiered.step(optimizer.param_groups[0]["lr"], cfg.optim)
-            if not embedding_reported:  # once, while its gradients and optimizer state exist
-                held = embedding_memory(raw_model, optimizer)
-                log0(f"step {step + 1} | input embedding (weights, gradients, optimizer state): "
-                     + ", ".join(f"{mib:,.1f} MiB on {kind}" for kind, mib in sorted(held.items())))
-                embedding_reported = True
             interval_loss_sum += step_loss_sum
             interval_label_tokens += step_label_tokens
         if step + 1 == memory_report_step:  # before zero_grad: the gradients still exist
             memory = memory_measured(raw_model, optimizer, device, predicted)
             metrics_log.write({"kind": "memory", "step": step + 1, **memory})
             log0(memory_line(step + 1, memory))
+            held = embedding_memory(raw_model, optimizer)
+            log0(f"step {step + 1} | input embedding (weights, gradients, optimizer state): "
+                 + ", ".join(f"{mib:,.1f} MiB on {kind}" for kind, mib in sorted(held.items())))
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
         step_lr = optimizer.param_groups[0]["lr"]  # the rate this step used: scheduler.step() sets the next one's
@@ -812,9 +809,9 @@ def mlm_uniforms(seed, epochs, sample_ids, positions, use):  # MLM
     """One float in [0, 1) per (epoch, sample, position), the three broadcast against each other, for one use
     (0: is the position masked, 1: what replaces it, 2: which random token): a hash of (seed, epoch, sample,
     position, use) alone, so the masking does not depend on the rank or micro-batch that happens to process a
-    sample, and a whole micro-batch is drawn in a few vectorised operations (a numpy Generator per sample, as
-    before, took 38 us to make; 256 per step in BERT-base's bench, 384 on each of 2 ranks with the count below:
-    measured on our CPU machine). The hash: splitmix64's mixing function (Steele, Lea and Flood, OOPSLA 2014)
+    sample, and a whole micro-batch is drawn in a few vectorised operations (a numpy Generator per sample took
+    38 us to make on our CPU machine, and BERT-base's bench step would need 256 of them on every rank for the
+    label count alone). The hash: splitmix64's mixing function (Steele, Lea and Flood, OOPSLA 2014)
     after each part; the top 53 bits of the last make the float."""
     mixed = np.full(np.broadcast_shapes(np.shape(epochs), np.shape(sample_ids), np.shape(positions)), seed,
                     dtype=np.uint64)
@@ -1104,8 +1101,8 @@ class TieredEmbedding(torch.nn.Module):  # tiered
     tensor `rows` (with their moments and step counts) that every micro-batch's forward reads and whose .grad
     the backward passes fill; `reduce_gradients` all-reduces that gradient as DDP does the hot rows'; `step`
     applies lazy AdamW to them on the GPU and copies them back to the host on the side stream, and
-    `write_to_tables` puts them into the CPU tables during the next step. The tier map: token id i is row slot_of_id[i] of hot_weight if that
-    is below hot_rows, else row slot_of_id[i] - hot_rows of the CPU tables.
+    `write_to_tables` puts them into the CPU tables during the next step. The tier map: token id i is row
+    slot_of_id[i] of hot_weight if that is below hot_rows, else row slot_of_id[i] - hot_rows of the CPU tables.
     """
 
     def __init__(self, embedding, hot_ids, device):
@@ -1200,12 +1197,13 @@ class TieredEmbedding(torch.nn.Module):  # tiered
                 if tensor.numel():  # an empty tensor has no memory
                     tensor.record_stream(compute_stream)
         previous = staged.previous
+        carried_state = [previous.rows, previous.exp_avg, previous.exp_avg_sq, previous.steps] if previous else []
         state = []
         for index, fresh in enumerate(staged.fresh):
             values = torch.empty((len(staged.slots), *fresh.shape[1:]), dtype=fresh.dtype, device=self.device)
             values[fresh_at] = fresh
             if len(carried_at):
-                values[carried_at] = [previous.rows, previous.exp_avg, previous.exp_avg_sq, previous.steps][index][carried_from]
+                values[carried_at] = carried_state[index][carried_from]
             state.append(values)
         rows, exp_avg, exp_avg_sq, steps = state
         rows.requires_grad_()  # a leaf: the backward passes of the step's micro-batches sum its gradient in rows.grad
@@ -1346,24 +1344,22 @@ def step_input_ids(split_data, position, cfg, world_size, micro_batches):  # tie
 def embedding_memory(raw_model, optimizer):
     """MiB the input embedding holds, per device type: weights, gradients and optimizer state (tiered: also the
     CPU rows and their lazy AdamW state), summed from the tensors themselves."""
-    held = {}
-
-    def count(tensor):
-        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # FSDP: this rank's shard
-        held[local.device.type] = held.get(local.device.type, 0) + local.numel() * local.element_size() / 2**20
-
     embedding = raw_model.get_input_embeddings()
-    for parameter in embedding.parameters():
-        count(parameter)
-        if parameter.grad is not None:
-            count(parameter.grad)
-        for value in optimizer.state.get(parameter, {}).values():
-            if torch.is_tensor(value):
-                count(value)
+    tensors = list(state_tensors(embedding.parameters(), optimizer))
     if isinstance(embedding, TieredEmbedding):  # tiered
-        for tensor in embedding.held_tensors():
-            count(tensor)
+        tensors += embedding.held_tensors()
+    held = {}
+    for tensor in tensors:
+        held[tensor.device.type] = held.get(tensor.device.type, 0) + tensor.numel() * tensor.element_size() / 2**20
     return held
+
+
+def state_tensors(parameters, optimizer):
+    """Each parameter, its gradient and its optimizer state's tensors, as this rank holds them."""
+    for parameter in parameters:
+        for tensor in [parameter, parameter.grad, *optimizer.state.get(parameter, {}).values()]:
+            if torch.is_tensor(tensor):
+                yield tensor.to_local() if hasattr(tensor, "to_local") else tensor  # FSDP: this rank's shard
 
 
 # ----------------------------------------------------------------------------- 5. optimizer (helpers)
@@ -1385,13 +1381,9 @@ def memory_measured(raw_model, optimizer, device, predicted):
     """After an update, before zero_grad: the prediction, the same three summed from the tensors that exist
     (its check), and on a GPU the caching allocator's figures: allocated now, the peak since start (forward and
     backward's activations and temporaries on top of what stays) and reserved (allocated plus its cache)."""
-    held = 0
-    for parameter in raw_model.parameters():
-        for tensor in [parameter, parameter.grad, *optimizer.state.get(parameter, {}).values()]:
-            local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-            # AdamW's "step" is a 0-d tensor per parameter (4 bytes): not part of the prediction's state
-            if torch.is_tensor(local) and local.dim() > 0 and local.device.type == device.type:
-                held += local.numel() * local.element_size()
+    # AdamW's "step" is a 0-d tensor per parameter (4 bytes): not part of the prediction's state
+    held = sum(tensor.numel() * tensor.element_size() for tensor in state_tensors(raw_model.parameters(), optimizer)
+               if tensor.dim() > 0 and tensor.device.type == device.type)
     memory = {"predicted_bytes": sum(predicted.values()), **{f"predicted_{k}_bytes": v for k, v in predicted.items()},
               "held_bytes": held}
     if device.type == "cuda":
