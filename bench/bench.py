@@ -760,6 +760,15 @@ def run_nanogpt(stage_name, stage, shape, batch, tiny, port, log):
     return record
 
 
+def gpt2_config(shape, batch):
+    """The stage's GPT-2, built here (no download), as train_ddp.py builds it: no dropout, no key/value cache."""
+    from transformers import GPT2Config
+    return GPT2Config(vocab_size=batch["vocab_size"], n_positions=batch["seq_len"], n_embd=shape["n_embd"],
+                      n_layer=shape["n_layer"], n_head=shape["n_head"], resid_pdrop=0.0, embd_pdrop=0.0,
+                      attn_pdrop=0.0, use_cache=False,
+                      bos_token_id=0, eos_token_id=0)  # GPT-2's default 50256 is outside the vocabulary
+
+
 def run_hf_trainer(stage_name, stage, shape, batch, tiny, port, log):
     """The worker runs in a child process (see hf_trainer_worker) so a timeout can end it like any side."""
     compiled = stage["sides"][0].endswith("compiled")
@@ -777,12 +786,12 @@ def run_hf_trainer(stage_name, stage, shape, batch, tiny, port, log):
 
 
 def hf_trainer_worker(stage_name, tiny):
-    """transformers.Trainer on the stage's shape and the random tokens: GPT2Config built here (no
+    """transformers.Trainer on the stage's shape and the random tokens: gpt2_config (no
     download), bf16, no evaluation, saving or logging. A callback reads a CUDA-synchronized clock at
     the end of step skip_steps and of the last step: without the synchronization the clock would be
     read while the GPU still has queued work."""
     import torch
-    from transformers import (AutoModelForCausalLM, GPT2Config, Trainer, TrainerCallback, TrainingArguments)
+    from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
     stage, shape, batch = stage_settings(stage_name, tiny)
     compiled = stage["sides"][0].endswith("compiled")
@@ -813,10 +822,7 @@ def hf_trainer_worker(stage_name, tiny):
                 else:
                     self.end = now
 
-    config = GPT2Config(vocab_size=batch["vocab_size"], n_positions=seq_len, n_embd=shape["n_embd"],
-                        n_layer=shape["n_layer"], n_head=shape["n_head"], resid_pdrop=0.0, embd_pdrop=0.0,
-                        attn_pdrop=0.0, use_cache=False,
-                        bos_token_id=0, eos_token_id=0)  # GPT-2's default 50256 is outside the vocabulary
+    config = gpt2_config(shape, batch)
     torch.manual_seed(1337)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     on_gpu = torch.cuda.is_available() and not tiny
@@ -860,7 +866,7 @@ def dataparallel_worker(stage_name, tiny):
     runs a copy of the module on each (copied from GPU 0 in every forward), gathers the losses on GPU 0 and sums
     the gradients there in backward. The clock: CUDA-synchronized at the ends of step skip_steps and the last."""
     import torch
-    from transformers import AutoModelForCausalLM, GPT2Config
+    from transformers import AutoModelForCausalLM
     sys.path.insert(0, str(REPO))
     import train_ddp
 
@@ -870,9 +876,7 @@ def dataparallel_worker(stage_name, tiny):
     gpus = torch.cuda.device_count() if on_gpu else 1
     seq_len, micro = batch["seq_len"], batch["micro_batch_size"] * gpus
     accumulation = batch["global_batch_size"] // micro
-    config = GPT2Config(vocab_size=batch["vocab_size"], n_positions=seq_len, n_embd=shape["n_embd"],
-                        n_layer=shape["n_layer"], n_head=shape["n_head"], resid_pdrop=0.0, embd_pdrop=0.0,
-                        attn_pdrop=0.0, use_cache=False, bos_token_id=0, eos_token_id=0)
+    config = gpt2_config(shape, batch)
     torch.manual_seed(1337)
     attention = train_ddp.choose_attention("auto", device, "causal")
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attention).to(device)
