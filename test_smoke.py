@@ -2105,7 +2105,7 @@ def test_options_that_used_to_fail_late_are_checked_before_any_rank_connects(mon
 
 # ----------------------------------------------------------------------------- where the time goes (metrics)
 
-METRIC_KEYS = ["gpu_util", "mem_alloc_gib", "mem_reserved_gib", "mem_peak_gib", "steps_per_sec", "tokens_per_sec", "mfu",
+METRIC_KEYS = ["gpu_util", "mem_alloc_gib", "mem_reserved_gib", "mem_peak_gib", "alloc_retries", "steps_per_sec", "tokens_per_sec", "mfu",
                "grad_norm", "allreduce_p50_ms", "allreduce_p95_ms", "comm_exposed_ms", "data_wait_frac", "step_time_skew"]
 
 
@@ -2115,7 +2115,7 @@ def test_every_log_line_holds_the_metrics_and_tensorboard_the_same_numbers(train
     train = read_metrics(out, "train")
     for record in train:
         assert set(METRIC_KEYS) <= set(record), set(METRIC_KEYS) - set(record)
-        assert all(record[key] is None for key in ["gpu_util", "mem_alloc_gib", "mfu"])  # CPU: no GPU figures
+        assert all(record[key] is None for key in ["gpu_util", "mem_alloc_gib", "alloc_retries", "mfu"])  # CPU: no GPU figures
         # 16 sequences of 64 tokens per step, one step per log line
         assert record["tokens_per_sec"] / record["steps_per_sec"] == pytest.approx(16 * 64)
         assert 0 <= record["data_wait_frac"] < 1 and record["step_time_skew"] >= 1 and record["slowest_rank"] in (0, 1)

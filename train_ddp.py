@@ -392,6 +392,9 @@ def main():
                 "mem_alloc_gib": torch.cuda.memory_allocated() / gib if use_cuda else None,
                 "mem_reserved_gib": torch.cuda.memory_reserved() / gib if use_cuda else None,
                 "mem_peak_gib": torch.cuda.max_memory_allocated() / gib if use_cuda else None,
+                # times since the start the caching allocator found no free block it could use, released its
+                # cache (cudaFree) and called cudaMalloc again: fragmentation, and slow (c10/cuda/CUDACachingAllocator.cpp)
+                "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0) if use_cuda else None,
                 # communication backward did not hide, per step; DDP's own (dist.reducer=torch) is not timed
                 "comm_exposed_ms": 1000 * comm_wait.total_s() / interval_steps if reducer else None,
                 **allreduce_latency(allreduce_spans),  # allreduce_p50_ms, allreduce_p95_ms
@@ -1989,6 +1992,8 @@ def log_line(record, max_steps):
     if record["mem_alloc_gib"] is not None:
         line += (f" | mem {record['mem_alloc_gib']:.1f}/{record['mem_reserved_gib']:.1f}/"
                  f"{record['mem_peak_gib']:.1f} GiB alloc/res/peak")
+    if record["alloc_retries"]:
+        line += f" | alloc retries {record['alloc_retries']}"
     if record["gpu_util"] is not None:
         line += f" | gpu {record['gpu_util']:.0f}%"
     if record["comm_exposed_ms"] is not None:

@@ -389,6 +389,9 @@ def main():
                 "mem_alloc_gib": torch.cuda.memory_allocated() / gib if use_cuda else None,
                 "mem_reserved_gib": torch.cuda.memory_reserved() / gib if use_cuda else None,
                 "mem_peak_gib": torch.cuda.max_memory_allocated() / gib if use_cuda else None,
+                # times since the start the caching allocator found no free block it could use, released its
+                # cache (cudaFree) and called cudaMalloc again: fragmentation, and slow (c10/cuda/CUDACachingAllocator.cpp)
+                "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0) if use_cuda else None,
                 # FSDP's all-gathers and reduce-scatters run inside fully_shard's hooks: not timed
                 "comm_exposed_ms": None, "allreduce_p50_ms": None, "allreduce_p95_ms": None,
                 "data_wait_frac": max(frac for _, frac in per_rank),
@@ -1963,6 +1966,8 @@ def log_line(record, max_steps):
     if record["mem_alloc_gib"] is not None:
         line += (f" | mem {record['mem_alloc_gib']:.1f}/{record['mem_reserved_gib']:.1f}/"
                  f"{record['mem_peak_gib']:.1f} GiB alloc/res/peak")
+    if record["alloc_retries"]:
+        line += f" | alloc retries {record['alloc_retries']}"
     if record["gpu_util"] is not None:
         line += f" | gpu {record['gpu_util']:.0f}%"
     if record["comm_exposed_ms"] is not None:

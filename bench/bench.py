@@ -63,11 +63,13 @@ BERT_BATCH = {"seq_len": 512, "micro_batch_size": 32, "global_batch_size": 256} 
 # one GPU, B ~90k; 65,536 tokens per step). timeout_s holds for each side on its own; the two sides of a
 # stage together stay under the GPU machine's 10 minutes per call.
 STAGES = {
-    "shapeA_1gpu": {"sides": ["ours", "nanogpt"], "shape": "A", "gpus": 1, "steps": 150, "skip_steps": 20,
+    # config:micro32 (issue 8's "micro-batch size"): ours with micro-batches of 32, the same global batch
+    "shapeA_1gpu": {"sides": ["ours", "nanogpt", "config:micro32"], "shape": "A", "gpus": 1, "steps": 150, "skip_steps": 20,
                     "log_every": 10, "timeout_s": 240},
     "shapeB_1gpu": {"sides": ["ours", "nanogpt"], "shape": "B", "gpus": 1, "steps": 30, "skip_steps": 10,
                     "log_every": 5, "timeout_s": 280},
-    "shapeA_2gpu": {"sides": ["ours", "nanogpt"], "shape": "A", "gpus": 2, "steps": 200, "skip_steps": 30,
+    # and ours_buckets: DDP's buckets of 100 MiB, so Dynamo splits the compiled graph into fewer pieces
+    "shapeA_2gpu": {"sides": ["ours", "nanogpt", "config:micro32", "ours_buckets"], "shape": "A", "gpus": 2, "steps": 200, "skip_steps": 30,
                     "log_every": 10, "timeout_s": 240},
     "shapeB_2gpu": {"sides": ["ours", "nanogpt"], "shape": "B", "gpus": 2, "steps": 70, "skip_steps": 10,
                     "log_every": 5, "timeout_s": 280},
@@ -177,6 +179,11 @@ STAGES = {
                                "extra": ["model.tie_word_embeddings=false", "model.embedding_gpu_rows=32768"],
                                "tiny": {"vocab_size": 50_000}},
 }
+# issue 11: the tiered run with the caching allocator's expandable segments: the number of cold rows a step holds
+# varies, so its GPU tensors (the rows, their moments, the concatenated table and its gradient) change size at
+# every step, which can fragment the cache (the tiered run's log reported 56 GiB reserved for a 40 GiB peak)
+STAGES["tiered_expandable_1gpu"] = {**STAGES["tiered_embedding_1gpu"], "sides": ["ours_tiered"],
+                                    "env": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}}
 # Sides that run train_ddp.py with settings of their own (after the stage's: a later key=value wins)
 SIDE_OVERRIDES = {
     "ours_inline": ["dist.reducer=inline"],
@@ -227,7 +234,9 @@ VARIANTS = {
 }
 # before_issue_6: train_ddp.py as it was before this round of work (commit 47acc78), kept outside the
 # repository with its config.yaml: git show 47acc78:train_ddp.py > .baselines/before_issue_6/train_ddp.py
-VARIANT_FILES = {"before_issue_6": REPO / ".baselines" / "before_issue_6"}
+VARIANT_FILES = {"before_issue_6": REPO / ".baselines" / "before_issue_6",
+                 # a candidate train_ddp.py (and its config.yaml) from a branch, measured before it is merged
+                 "candidate": REPO / ".baselines" / "candidate"}
 
 # Sides "config:NAME" (a "#N" after the name only tells repeats apart): train_ddp.py with these overrides added.
 # {prometheus_port} is the side's own port (MASTER_PORT + 5: two bench processes on one machine do not clash).
@@ -236,6 +245,11 @@ CONFIG_SIDES = {
     "metrics_on": ["log.tensorboard=true", "log.prometheus_port={prometheus_port}", "log.gpu_util=true"],
     "llama": ["model.type=llama", "model.intermediate_size={intermediate_size}"],
     "eager": ["train.compile=false"],
+    # issue 8: fewer, larger micro-batches for the same global batch: fewer compiled-graph calls and kernel
+    # launches on the host per token
+    "micro32": ["train.micro_batch_size=32"],
+    "micro64": ["train.micro_batch_size=64"],
+    "micro32_buckets": ["train.micro_batch_size=32", "dist.bucket_mb=100"],
 }
 
 DATA_WAIT_KEY = "data_wait_frac"  # a metrics.jsonl "train" key
@@ -705,6 +719,8 @@ def read_our_metrics(records, skip_steps):
         # memory_allocated at the window's last log line: weights and optimizer state (and, under DDP, the
         # gradient buckets); one process frees its gradients before that line
         "alloc_mem_gib": next((r["mem_alloc_gib"] for r in reversed(train) if r.get("mem_alloc_gib") is not None), None),
+        # the caching allocator's retries (cudaFree, then cudaMalloc again) up to the window's end: 0 = no fragmentation
+        "alloc_retries": next((r["alloc_retries"] for r in reversed(train) if r.get("alloc_retries") is not None), None),
         "loss_last": train[-1].get("loss"),
         "memory": memory,
         # the mean of the window's intervals (an interval's p50/p95 are over its all-reduces); None: not timed
