@@ -258,6 +258,7 @@ def test_global_batch_that_does_not_divide_is_refused():
     error, _ = train_in_process("--check", "train.global_batch_size=30", "train.micro_batch_size=4",
                                 env={"WORLD_SIZE": "2"})
     assert "train.global_batch_size=30 is not a multiple" in error and "train.global_batch_size=32" in error
+    assert "train.micro_batch_size=3 (the same global batch)" in error  # 15 sequences per rank: 3 divides them
 
 
 # ----------------------------------------------------------------------------- sampler and masking

@@ -605,8 +605,12 @@ def check_config(cfg, world_size):
     sequences_per_round = cfg.train.micro_batch_size * world_size
     if cfg.train.global_batch_size % sequences_per_round:
         nearest = max(1, round(cfg.train.global_batch_size / sequences_per_round)) * sequences_per_round
+        per_rank = cfg.train.global_batch_size // world_size if cfg.train.global_batch_size % world_size == 0 else 0
+        smaller = max((m for m in range(1, cfg.train.micro_batch_size) if per_rank % m == 0), default=0) if per_rank else 0
+        keep_batch = f"train.micro_batch_size={smaller} (the same global batch) or " if smaller else ""
         die(f"train.global_batch_size={cfg.train.global_batch_size} is not a multiple of train.micro_batch_size "
-            f"x world size = {cfg.train.micro_batch_size} x {world_size} -> use e.g. train.global_batch_size={nearest}")
+            f"x world size = {cfg.train.micro_batch_size} x {world_size} -> use e.g. {keep_batch}"
+            f"train.global_batch_size={nearest}")
     return cfg.train.global_batch_size // sequences_per_round
 
 

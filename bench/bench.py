@@ -121,7 +121,7 @@ STAGES = {
     # over 40 batches): a small difference.
     # Sides: ours (bf16, every batch padded to 512: train.pad_to_multiple=0, the default), fp32 (TF32 matmuls),
     # fp16 + GradScaler.
-    "bert_1gpu": {"sides": ["ours", "ours_fp32", "ours_fp16"], "shape": "A", "gpus": 1, "steps": 70,
+    "bert_1gpu": {"sides": ["ours", "ours_fp32", "ours_fp16", "config:micro64"], "shape": "A", "gpus": 1, "steps": 70,
                   "skip_steps": 20, "log_every": 10, "timeout_s": 240, "mlm": True, "batch": BERT_BATCH,
                   "extra": ["model.type=bert"]},
     # the padding alternatives, against bert_1gpu's ours (every batch padded to 512, one static shape): dynamic
@@ -133,7 +133,7 @@ STAGES = {
                           "mlm": True, "batch": BERT_BATCH, "extra": ["model.type=bert"],
                           "side_extra": {"variant:bert_static_buckets": ["train.pad_to_multiple=128"],
                                          "variant:bert_unmarked": ["train.pad_to_multiple=1"]}},
-    "bert_2gpu": {"sides": ["ours", "ours_dynamic"], "shape": "A", "gpus": 2, "steps": 70, "skip_steps": 20,
+    "bert_2gpu": {"sides": ["ours", "ours_dynamic", "config:micro64"], "shape": "A", "gpus": 2, "steps": 70, "skip_steps": 20,
                   "log_every": 10,
                   "timeout_s": 200, "mlm": True, "batch": BERT_BATCH, "extra": ["model.type=bert"]},
     # issue 8: GPT-2 against a Llama of the same size (CONFIG_SIDES: SwiGLU's three matrices 8/3 x width wide hold
@@ -992,12 +992,24 @@ def figures(stage_records):
         row(f"{name}_tokens_per_sec", ours.get("tokens_per_sec"), "tokens/s", nanogpt_label(ours),
             theirs.get("tokens_per_sec"), ours.get("command"), theirs.get("command"), ours,
             note=" ".join(n for n in [ours.get("note"), theirs.get("note")] if n) or None)
+        micro32 = sides.get("config:micro32")  # ours at config.yaml's micro-batch (32); "ours" at nanoGPT's 16
+        if micro32:
+            row(f"{name}_micro32_tokens_per_sec", micro32.get("tokens_per_sec"),
+                "tokens/s (ours: micro-batches of 32, config.yaml's default; nanoGPT: its 16)", nanogpt_label(micro32),
+                theirs.get("tokens_per_sec"), micro32.get("command"), theirs.get("command"), micro32,
+                note=f"ours with micro-batches of 16, same call: {number(ours.get('tokens_per_sec'), 0)} tokens/s")
         if name == "shapeB_1gpu":
             row("shapeB_1gpu_mfu", ours.get("mfu"), "fraction of peak dense bf16 FLOP/s (train_ddp.py's table)",
                 nanogpt_label(ours) + ", MFU by our formula", theirs.get("mfu_by_our_formula"),
                 ours.get("command"), theirs.get("command"), ours)
     for shape in ["A", "B"]:
         one, two = by_stage.get(f"shape{shape}_1gpu", {}), by_stage.get(f"shape{shape}_2gpu", {})
+        if "config:micro32" in one and "config:micro32" in two:
+            row(f"shape{shape}_micro32_scaling_1to2", ratio(two["config:micro32"].get("tokens_per_sec"),
+                                                           one["config:micro32"].get("tokens_per_sec")),
+                "x (2-GPU tokens/s / 1-GPU tokens/s), micro-batches of 32", None, None,
+                f"{one['config:micro32'].get('command')} ; {two['config:micro32'].get('command')}", None,
+                two["config:micro32"])
         if "ours" in one and "ours" in two:
             ours_scaling = ratio(two["ours"].get("tokens_per_sec"), one["ours"].get("tokens_per_sec"))
             their_scaling = ratio((two.get("nanogpt") or {}).get("tokens_per_sec"),
@@ -1157,6 +1169,15 @@ def bert_figures(by_stage, row):
                      f"{number(ours.get('tokens_per_sec_max_over_min'), 2)}; {other.get('seconds')} s in all, compiles "
                      f"included, vs {ours.get('seconds')} s" + ("" if other.get("machine") == ours.get("machine")
                                                                  else "; ran on another machine"))
+    one_64, two_64 = one_gpu.get("config:micro64"), by_stage.get("bert_2gpu", {}).get("config:micro64")
+    if one_64:  # fewer, larger micro-batches: 4 of 64 per step on 1 GPU, 2 per rank on 2
+        row("bert_1gpu_micro64_tokens_per_sec", one_64.get("tokens_per_sec"), "tokens/s (micro-batches of 64)",
+            label + ", micro-batches of 32", ours.get("tokens_per_sec"), one_64.get("command"), ours.get("command"),
+            one_64, note=f"MFU {number(one_64.get('mfu'), 3)}")
+    if one_64 and two_64:
+        row("bert_micro64_speedup_1to2", ratio(two_64.get("steps_per_sec"), one_64.get("steps_per_sec")),
+            "x (2-GPU steps/s / 1-GPU steps/s, micro-batches of 64)", "the seed article: 2 PCIe GPUs", 1.81,
+            f"{one_64.get('command')} ; {two_64.get('command')}", None, two_64, note="target: at least 1.95")
     two = by_stage.get("bert_2gpu", {}).get("ours")
     if two:
         row("bert_speedup_1to2", ratio(two.get("steps_per_sec"), ours.get("steps_per_sec")),
