@@ -110,6 +110,13 @@ def main():
 
     # ------------------------------------------------------------------------- 2. distributed init
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    user_allocator_settings = {"PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"} & set(os.environ)  # torch 2.13 reads either
+    if use_cuda and cfg.model.embedding_gpu_rows and not user_allocator_settings:
+        # Tiered: a step's cold rows vary in number, so its GPU tensors change size at every step. With the caching
+        # allocator's default the GPU then sat idle 27-29% of the time (110k tokens/s, 49-56 GiB reserved for a
+        # 40 GiB peak); with expandable segments 1.4% (149k), on 1 H200 (bench/RESULTS.md). Set before CUDA
+        # starts: the same call made after it (torch.cuda.memory._set_allocator_settings) changed nothing there.
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     if use_cuda:
         torch.cuda.set_device(device)  # without it every rank would build its NCCL communicator on GPU 0
     backend = cfg.dist.backend if cfg.dist.backend != "auto" else ("nccl" if use_cuda else "gloo")
@@ -161,12 +168,6 @@ def main():
     raw_model, attention = build_model(cfg, task, padded_vocab_size, special, device)
     # tiered: split before .to(device), so that the whole table never occupies the GPU
     tiered = tier_embedding(raw_model, data_dir, meta, cfg, precision, device) if cfg.model.embedding_gpu_rows else None
-    if tiered and use_cuda and not any(name in os.environ for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")):
-        # A tiered step's cold rows vary in number, so its GPU tensors change size at every step. With the default
-        # caching allocator the GPU then sat idle 27% of the time (110k tokens/s, 56 GiB reserved for a 40 GiB
-        # peak); with expandable segments 1.4% (149k), on 1 H200 (bench/RESULTS.md). The runtime form of
-        # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (torch/cuda/memory.py); a setting of the user's wins.
-        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
     raw_model.to(device)
     flops_of = model_flops_counter(raw_model, task, attention, cfg)  # FLOPs of the micro-batches of a step, for MFU
     log0(f"model {raw_model.config.model_type} ({task}), {sum(p.numel() for p in raw_model.parameters()) / 1e6:.1f}M "
