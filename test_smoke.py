@@ -847,8 +847,8 @@ def test_nans_on_either_rank_skip_those_steps_on_every_rank_and_leave_weights_an
     late (during step 4's first micro-batch): it must still count and log it as step 3's. The checkpoints of
     steps 2 and 4 must hold the same weights and AdamW state (moments and step counts): both steps skipped."""
     result = torchrun(2, "train_ddp.py", f"data.dir={data_dir}", *EIGHT_STEPS, "train.max_steps=6", "log.every=2",
-                      "checkpoint.every=2", "checkpoint.keep=3", f"out_dir={tmp_path}", f"checkpoint.dir={tmp_path}/ckpt",
-                      env_extra={"FAULT": "nan:1:3,nan:0:4"})
+                      "checkpoint.every=2", "checkpoint.keep=3", f"out_dir={tmp_path}",
+                      f"checkpoint.dir={tmp_path}/ckpt", env_extra={"FAULT": "nan:1:3,nan:0:4"})
     lines = result.stdout.splitlines()
     skipped_3 = lines.index("step 3 | non-finite gradient: update skipped (1 in a row)")
     skipped_4 = lines.index("step 4 | non-finite gradient: update skipped (2 in a row)")
@@ -885,9 +885,9 @@ def test_the_host_reads_a_verdict_only_once_the_next_steps_first_micro_batch_is_
             return original(tensor)
         monkeypatch.setattr(torch.Tensor, name, read)
     error, _ = train_in_process(f"data.dir={data_dir}", *TINY_MODEL, "train.global_batch_size=8",
-                                "train.micro_batch_size=4", "train.max_steps=4", "log.every=100", "train.eval_every=100",
-                                "train.eval_batches=1", "checkpoint.every=0", "export=false", f"out_dir={tmp_path}",
-                                f"checkpoint.dir={tmp_path}/ckpt")
+                                "train.micro_batch_size=4", "train.max_steps=4", "log.every=100",
+                                "train.eval_every=100", "train.eval_batches=1", "checkpoint.every=0", "export=false",
+                                f"out_dir={tmp_path}", f"checkpoint.dir={tmp_path}/ckpt")
     assert error is None, error
     steps = "".join(events)
     assert steps[steps.index("L"):steps.rindex("L") + 1] == "LL" + "LRL" * 3, steps  # the last step's: read after it
