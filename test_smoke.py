@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pyarrow as pa
@@ -841,23 +842,66 @@ def test_a_killed_rank_restarts_from_the_last_checkpoint_and_ends_with_the_unint
     assert all(torch.equal(reference[name], recovered[name]) for name in reference)
 
 
-def test_a_nan_on_one_rank_skips_that_step_on_every_rank(data_dir, tmp_path):
-    result = torchrun(2, "train_ddp.py", f"data.dir={data_dir}", *EIGHT_STEPS, "train.max_steps=5", "checkpoint.every=5",
-                      f"out_dir={tmp_path}", f"checkpoint.dir={tmp_path}/ckpt", env_extra={"FAULT": "nan:1:3"})
-    assert "step 3 | non-finite gradient: update skipped (1 in a row)" in result.stdout
+def test_nans_on_either_rank_skip_those_steps_on_every_rank_and_leave_weights_and_optimizer_untouched(data_dir,
+                                                                                                      tmp_path):
+    """A NaN on rank 1 at step 3, on rank 0 at step 4. Logged every 2 steps, the host reads step 3's verdict
+    late (during step 4's first micro-batch): it must still count and log it as step 3's. The checkpoints of
+    steps 2 and 4 must hold the same weights and AdamW state (moments and step counts): both steps skipped."""
+    result = torchrun(2, "train_ddp.py", f"data.dir={data_dir}", *EIGHT_STEPS, "train.max_steps=6", "log.every=2",
+                      "checkpoint.every=2", "checkpoint.keep=3", f"out_dir={tmp_path}",
+                      f"checkpoint.dir={tmp_path}/ckpt", env_extra={"FAULT": "nan:1:3,nan:0:4"})
+    lines = result.stdout.splitlines()
+    skipped_3 = lines.index("step 3 | non-finite gradient: update skipped (1 in a row)")
+    skipped_4 = lines.index("step 4 | non-finite gradient: update skipped (2 in a row)")
+    assert skipped_3 < skipped_4 < next(i for i, line in enumerate(lines) if line.startswith("step 4/6"))
     train = {t["step"]: t for t in read_metrics(tmp_path, "train")}
-    assert train[3]["skipped_steps"] == 1 and train[3]["loss"] is None
-    assert all(train[step]["skipped_steps"] == 0 and math.isfinite(train[step]["loss"]) for step in (1, 2, 4, 5))
-    weights = final_weights(tmp_path / "ckpt" / "step_000005")
-    assert all(torch.isfinite(value).all() for value in weights.values())
+    assert sorted(train) == [2, 4, 6] and [train[step]["skipped_steps"] for step in (2, 4, 6)] == [0, 2, 0]
+    assert train[4]["loss"] is None and math.isfinite(train[2]["loss"]) and math.isfinite(train[6]["loss"])
+    ckpt = tmp_path / "ckpt"
+    before, after, last = (final_weights(ckpt / f"step_{step:06d}") for step in (2, 4, 6))
+    assert all(torch.equal(before[name], after[name]) for name in before)
+    assert not all(torch.equal(after[name], last[name]) for name in after)  # training went on
+    assert all(torch.isfinite(value).all() for value in last.values())
+    state_before, state_after = (torch.load(ckpt / f"step_{step:06d}" / "optimizer.pt", weights_only=True)["state"]
+                                 for step in (2, 4))
+    assert sorted(state_before) == sorted(state_after)
+    for index, state in state_before.items():
+        assert state["step"] == 2 and all(torch.equal(value, state_after[index][key]) for key, value in state.items())
+
+
+def test_the_host_reads_a_verdict_only_once_the_next_steps_first_micro_batch_is_queued(data_dir, tmp_path,
+                                                                                     monkeypatch):
+    """On a GPU, reading a tensor's value (.tolist(), .item()) makes the host wait for all the work queued
+    before it. Inside a step the trainer reads one value, the last step's verdict, and only once the step's
+    first micro-batch is queued, so the GPU has that to run meanwhile. A CPU cannot show the GPU's idle time;
+    the order of the trainer's reads (R) and its training losses (L, 2 micro-batches a step) shows the rule."""
+    events = []
+    loss_sum = train_ddp.token_loss_sum
+    monkeypatch.setattr(train_ddp, "token_loss_sum",
+                        lambda *args: (events.append("L") if torch.is_grad_enabled() else None, loss_sum(*args))[1])
+    for name in ("tolist", "item"):
+        def read(tensor, original=getattr(torch.Tensor, name)):
+            if sys._getframe(1).f_code.co_filename == train_ddp.__file__:  # the trainer's, not torch's own
+                events.append("R")
+            return original(tensor)
+        monkeypatch.setattr(torch.Tensor, name, read)
+    error, _ = train_in_process(f"data.dir={data_dir}", *TINY_MODEL, "train.global_batch_size=8",
+                                "train.micro_batch_size=4", "train.max_steps=4", "log.every=100",
+                                "train.eval_every=100", "train.eval_batches=1", "checkpoint.every=0", "export=false",
+                                f"out_dir={tmp_path}", f"checkpoint.dir={tmp_path}/ckpt")
+    assert error is None, error
+    steps = "".join(events)
+    assert steps[steps.index("L"):steps.rindex("L") + 1] == "LL" + "LRL" * 3, steps  # the last step's: read after it
 
 
 def test_a_diverging_run_stops_after_max_bad_steps_and_never_saves_non_finite_weights(data_dir, tmp_path):
-    """The hostile test's case: optim.lr=1e6 gave NaN from step 3 and a NaN model, with exit code 0."""
+    """The hostile test's case: optim.lr=1e6 gave NaN from step 3 and a NaN model, with exit code 0. Logged and
+    saved every 3 steps, so that some verdicts are read late, during the next step's first micro-batch (seen: the
+    run stops there, at step 5, for steps 2 to 4)."""
     result = torchrun(2, "train_ddp.py", f"data.dir={data_dir}", *TINY_MODEL, "train.global_batch_size=16",
                       "train.micro_batch_size=8", "train.max_steps=40", "optim.lr=1e6", "optim.warmup_steps=0",
-                      "optim.grad_clip=0", "train.max_bad_steps=3", "checkpoint.every=1", "checkpoint.keep=100",
-                      "log.every=1", f"out_dir={tmp_path}", f"checkpoint.dir={tmp_path}/ckpt", must_pass=False)
+                      "optim.grad_clip=0", "train.max_bad_steps=3", "checkpoint.every=3", "checkpoint.keep=100",
+                      "log.every=3", f"out_dir={tmp_path}", f"checkpoint.dir={tmp_path}/ckpt", must_pass=False)
     assert_one_line_error(result, "3 steps in a row had a non-finite gradient", under_torchrun=True)
     assert not (tmp_path / "final").exists()
     saved = sorted((tmp_path / "ckpt").glob("step_*"))
@@ -893,15 +937,17 @@ def test_a_hung_rank_is_named_and_the_others_stop_within_the_timeout(data_dir, t
 
 def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step_with_a_checkpoint(data_dir, tmp_path):
     """A preemption notice may reach one process only: rank 1 gets SIGTERM, every rank stops after the same
-    step, the checkpoint of that step is written, the job exits non-zero, and a new start resumes from it."""
+    step, the checkpoint of that step is written, the job exits non-zero, and a new start resumes from it. Logged
+    every 2 steps: the verdict that carries the stop may reach the hosts a step late, and they must still agree."""
     command = torchrun_command(2, "train_ddp.py", f"data.dir={data_dir}", *EIGHT_STEPS, "train.max_steps=100000",
-                               "checkpoint.every=100000", f"out_dir={tmp_path}", f"checkpoint.dir={tmp_path}/ckpt")
+                               "checkpoint.every=100000", "log.every=2", f"out_dir={tmp_path}",
+                               f"checkpoint.dir={tmp_path}/ckpt")
     process = subprocess.Popen(command, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     output = []
     for line in process.stdout:
         output.append(line)
-        if line.startswith("step 3/"):
+        if line.startswith("step 4/"):
             break
     rank1 = [pid for pid in os.listdir("/proc") if pid.isdigit() and process_env(pid).get("RANK") == "1"
              and process_env(pid).get("MASTER_PORT") == command[command.index("--master-port") + 1]]
@@ -1311,6 +1357,17 @@ def test_tier_map_puts_the_most_frequent_ids_on_the_gpu_with_ties_to_the_lower_i
     assert torch.allclose(touched.grad, plain.weight.grad[[3, 5, 6, 7]])  # the padding row 6: no gradient in both
     assert torch.allclose(tiered.hot_weight.grad, plain.weight.grad[[1, 2, 4, 0]])
     assert torch.equal(tiered.merged().weight, plain.weight.detach())
+    # a step whose verdict says skip (a NaN here) leaves the rows, their moments and step counts as they were
+    optim, state = SimpleNamespace(weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8), tiered.current
+    before = [tensor.clone() for tensor in (touched.detach(), state.exp_avg, state.exp_avg_sq, state.steps)]
+    touched.grad[0, 0] = float("nan")
+    tiered.step(0.1, optim, torch.tensor(1.0))
+    assert all(torch.equal(old, new) for old, new in zip(before, (touched.detach(), state.exp_avg, state.exp_avg_sq,
+                                                                   state.steps)))
+    assert torch.equal(tiered.merged().weight, plain.weight.detach())  # the copy back to the tables: unchanged too
+    touched.grad[0, 0] = 1.0
+    tiered.step(0.1, optim, torch.tensor(0.0))  # a good step updates every row of the step
+    assert state.steps.tolist() == [1, 1, 1, 1] and not torch.equal(touched.detach(), before[0])
 
 
 def test_tiered_embedding_is_refused_where_it_cannot_work(data_dir, tmp_path):

@@ -205,7 +205,10 @@ def main():
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": cfg.optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps,
-        fused=use_cuda,  # the whole update in one multi-tensor kernel; the default (foreach) runs one per operation
+        # fused: the whole update in one multi-tensor kernel (the default, foreach, runs one per operation; CPUs
+        # have one since torch 2.4), and only the fused step reads optimizer.found_inf, which skips a bad step
+        # on the device, with no wait for the host (section 7)
+        fused=True,
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg))
     scaler = torch.amp.GradScaler(device.type, enabled=False)  # fp16 is refused above: kept so the loop reads as DDP's
@@ -264,9 +267,9 @@ def main():
     stop_requested = catch_stop_signals()  # SIGTERM or SIGINT: finish the step, write a checkpoint, stop
     model.train()
     interval_loss_sum = torch.zeros((), device=device, dtype=torch.float64)  # this rank's, stays on the GPU
-    interval_steps, interval_input_tokens, interval_label_tokens, interval_skipped = 0, 0, 0, 0
-    interval_flops = 0
-    interval_start, paused_s, bad_steps_in_a_row = time.perf_counter(), 0.0, 0
+    interval_steps, interval_input_tokens, interval_flops = 0, 0, 0
+    interval_start, paused_s = time.perf_counter(), 0.0
+    verdicts = StepVerdicts(cfg.train.max_bad_steps)  # each step's verdict, read one step late; the interval's counts
     # AdamW creates its state in the first update, so the second step of a run is the first whose peak holds
     # everything: weights, gradients, optimizer state and the activations of backward
     memory_report_step = min(step + 2, cfg.train.max_steps)
@@ -308,6 +311,8 @@ def main():
             # allocated after the update 1,736 MiB with the name kept, against 1,406 MiB of weights and state)
             del logits
             step_loss_sum += loss_sum.detach()
+            if index == 0:  # the last step's verdict, read now that the GPU has this micro-batch to run meanwhile
+                verdicts.settle()
             if tiered and index == 0:  # tiered: the rows the last step updated go into the CPU tables now, while
                 tiered.write_to_tables()  # the GPU has this micro-batch to run, not at the step's end with stage()
         # the next step's batches, built on the host while the GPU still runs this step's backward; data_wait
@@ -326,29 +331,31 @@ def main():
         # the norm over all shards (a DTensor); full_tensor() gives every rank the same plain tensor
         grad_norm = torch.nn.utils.clip_grad_norm_([*raw_model.parameters(), *cold_rows],
                                                    cfg.optim.grad_clip or float("inf")).full_tensor()
-        # The step's one wait for the GPU, on purpose: every rank learns whether the gradient is finite and
-        # whether any rank was asked to stop, so all ranks take the same decision at the same step (a NaN on
-        # one rank reaches all through the gradient reduction; a signal may reach one rank only).
-        verdict = torch.tensor([0.0, float(bool(stop_requested))], device=device)
+        # The step's verdict: is the gradient finite, and was any rank asked to stop? All-reduced, so that every
+        # rank takes the same decision at the same step (a NaN on one rank reaches all through the gradient
+        # reduction; a signal may reach one rank only). It is built, reduced and applied on the device: the host
+        # does not wait for it here, where the GPU would then idle while the host queues the update and the next
+        # step's forward, but reads it during the next step's first micro-batch or before anything that must
+        # know it (StepVerdicts). torch.full passes the value to its fill kernel (FillKernel.cu in PyTorch's
+        # aten/src/ATen/native/cuda): no copy from the host, which torch.tensor([...], device=...) would make.
+        verdict = torch.full((2,), float(bool(stop_requested)), device=device)
         verdict[0] = grad_norm.isfinite().logical_not()
         with sync_wait:  # how long this rank waits here for the slowest one: step_time_skew
             dist.all_reduce(verdict, op=dist.ReduceOp.MAX)
-        bad_gradient, stop_now = (value > 0 for value in verdict.tolist())
-        if bad_gradient:  # no update on any rank; the data and the schedule move on
-            bad_steps_in_a_row += 1
-            interval_skipped += 1
-            log0(f"step {step + 1} | non-finite gradient: update skipped ({bad_steps_in_a_row} in a row)")
-            if bad_steps_in_a_row >= cfg.train.max_bad_steps:
-                die(f"{bad_steps_in_a_row} steps in a row had a non-finite gradient (train.max_bad_steps="
-                    f"{cfg.train.max_bad_steps}); no update was made from them and no checkpoint holds them -> "
-                    "lower optim.lr or raise optim.warmup_steps, and check the data")
-        else:
-            bad_steps_in_a_row = 0
-            scaler.step(optimizer)  # fp16: also skips steps whose scaled gradients overflowed
-            if tiered:  # tiered: lazy AdamW on the CPU rows of this step (on the GPU), at this step's learning rate
-                tiered.step(optimizer.param_groups[0]["lr"], cfg.optim)
-            interval_loss_sum += step_loss_sum
-            interval_label_tokens += step_label_tokens
+        skip = verdict[0]  # 1.0: a non-finite gradient: no update on any rank; the data and the schedule move on
+        # A fused AdamW skips the update of weights, moments and step counts where found_inf is 1 (GradScaler's
+        # protocol: _fused_adam in torch/optim/adam.py). Not scaler.step(): with a fused optimizer it puts its
+        # own found_inf in place of ours (step() in torch/amp/grad_scaler.py). The gradients are unscaled already
+        # (unscale_ above), and ours holds the fp16 overflow: an inf or NaN in any gradient makes the norm non-finite.
+        # fsdp.cpu_offload: the update runs on the host, which must wait for the verdict: the fused step would
+        # copy it there with non_blocking=True (torch/optim/adam.py), and a tensor copied to the host that way
+        # may be read before it has arrived (PyTorch's tutorial on non_blocking and pin_memory)
+        optimizer.found_inf = skip.cpu() if cfg.fsdp.cpu_offload else skip
+        optimizer.step()
+        if tiered:  # tiered: lazy AdamW on the CPU rows of this step (on the GPU), at this step's learning rate
+            tiered.step(optimizer.param_groups[0]["lr"], cfg.optim, skip)
+        interval_loss_sum += step_loss_sum.masked_fill(skip > 0, 0.0)  # a skipped step's loss: not in the log's
+        verdicts.defer(step + 1, verdict, step_label_tokens)
         if step + 1 == memory_report_step:  # before zero_grad: the gradients still exist
             memory = memory_measured(raw_model, optimizer, device, predicted)
             metrics_log.write({"kind": "memory", "step": step + 1, **memory})
@@ -367,10 +374,17 @@ def main():
         interval_input_tokens += step_input_tokens
         interval_flops += flops_of(step_lengths)
 
-        if step % cfg.log.every == 0 or step == cfg.train.max_steps or stop_now:
+        log_now = step % cfg.log.every == 0 or step == cfg.train.max_steps
+        evaluate_now = step % cfg.train.eval_every == 0 or step == cfg.train.max_steps
+        save_now = cfg.checkpoint.every > 0 and (step % cfg.checkpoint.every == 0 or step == cfg.train.max_steps)
+        if log_now or evaluate_now or save_now or verdicts.stop:  # these must know this step's verdict
+            verdicts.settle()
+        stop_now = verdicts.stop  # a stop learned at this step's first micro-batch ends this step, as any other
+
+        if log_now or stop_now:
             dist.all_reduce(interval_loss_sum)
             loss_sum_value = interval_loss_sum.item()  # waits for the GPU: the clock below then counts finished work
-            loss = loss_sum_value / interval_label_tokens if interval_label_tokens else None  # None: all skipped
+            loss = loss_sum_value / verdicts.label_tokens if verdicts.label_tokens else None  # None: all skipped
             now = time.perf_counter()  # the next interval starts here: it pays for this log line's work
             elapsed = now - interval_start - paused_s
             tokens_per_sec = interval_input_tokens / elapsed
@@ -397,18 +411,17 @@ def main():
                 "data_wait_frac": max(frac for _, frac in per_rank),
                 "step_time_skew": max(rank_busy_s) / max(min(rank_busy_s), 1e-9) if world_size > 1 else None,
                 "slowest_rank": rank_busy_s.index(max(rank_busy_s)) if world_size > 1 else None,
-                "tokens_seen": tokens_seen, "skipped_steps": interval_skipped,
+                "tokens_seen": tokens_seen, "skipped_steps": verdicts.skipped,
                 "eta_s": elapsed / interval_steps * (cfg.train.max_steps - step),
             }
             metrics_log.write(record)
             log0(log_line(record, cfg.train.max_steps))
             interval_loss_sum.zero_()
-            interval_steps, interval_input_tokens, interval_label_tokens, interval_skipped = 0, 0, 0, 0
+            interval_steps, interval_input_tokens, verdicts.label_tokens, verdicts.skipped = 0, 0, 0, 0
             interval_flops, interval_start, paused_s = 0, now, 0.0
 
-        evaluate_now = (step % cfg.train.eval_every == 0 or step == cfg.train.max_steps) and not stop_now
-        save_now = cfg.checkpoint.every > 0 and (step % cfg.checkpoint.every == 0 or step == cfg.train.max_steps
-                                                 or stop_now)
+        evaluate_now = evaluate_now and not stop_now
+        save_now = save_now or (cfg.checkpoint.every > 0 and stop_now)
         if evaluate_now or save_now:  # validation and checkpoints are not training throughput
             if use_cuda:
                 torch.cuda.synchronize()  # the step's own GPU work counts as training time, not as the pause
@@ -1301,14 +1314,17 @@ class TieredEmbedding(torch.nn.Module):  # tiered
         return [rows]
 
     @torch.no_grad()
-    def step(self, lr, optim):
+    def step(self, lr, optim, skip):
         """Lazy AdamW, on the GPU: torch.optim.AdamW's formula (decoupled weight decay, both moments, bias
         correction) on the cold rows of this step, each row a parameter of its own with its own step count. A
         row used at every step is updated as AdamW updates a dense table; an unused row keeps its weight and
-        moments, where dense AdamW would decay both at every step, which would touch every row. Then the rows
-        go back to the host on the side stream, for write_to_tables."""
+        moments, where dense AdamW would decay both at every step, which would touch every row. Where `skip` (a
+        0-dim device tensor) is 1, the rows, moments and step counts stay as they were, as the fused AdamW's
+        do with found_inf: decided on the GPU, with no wait for the host. Then the rows go back to the host on
+        the side stream, for write_to_tables."""
         state = self.current
         weight, grad = state.rows, state.rows.grad
+        before = [tensor.clone() for tensor in (weight, state.exp_avg, state.exp_avg_sq, state.steps)]
         state.steps += 1
         weight.mul_(1 - lr * optim.weight_decay)
         state.exp_avg.lerp_(grad, 1 - optim.beta1)
@@ -1318,6 +1334,8 @@ class TieredEmbedding(torch.nn.Module):  # tiered
         denominator = state.exp_avg_sq.sqrt().div_(bias_correction2_sqrt).add_(optim.eps)
         weight.sub_(torch.div(state.exp_avg, denominator).mul_(step_size))  # AdamW: - step_size * m / denom
         updated = [weight.detach(), state.exp_avg, state.exp_avg_sq, state.steps]
+        for tensor, old in zip(updated, before):  # torch.where, not a multiplication: 0 x NaN is NaN
+            tensor.copy_(torch.where(skip > 0, old, tensor))
         done = None
         if self.copy_stream is not None:
             self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))  # after the update
@@ -1761,11 +1779,48 @@ def evaluate(model, val_data, cfg, world_size, rank, device, autocast):
     return loss_sum.item() / max(1, label_tokens)
 
 
+class StepVerdicts:
+    """Each step's verdict (its gradient non-finite on some rank, a stop asked of some rank: a tensor on the
+    device, all-reduced) as the host learns it, one step late: the update needs no host (optimizer.found_inf),
+    so main() reads it (settle) during the next step's first micro-batch, while the GPU runs that, or before a
+    log line, validation, a checkpoint and the last step's end. Counts the log interval's skipped steps and the
+    label tokens of its updated steps (the loss's divisor)."""
+
+    def __init__(self, max_bad_steps):
+        self.max_bad_steps = max_bad_steps
+        self.pending = None  # (step, verdict, label tokens) of the step not read yet
+        self.bad_in_a_row, self.skipped, self.label_tokens = 0, 0, 0
+        self.stop = False  # a rank was asked to stop: every rank learns it at the same step, from the same verdict
+
+    def defer(self, step, verdict, label_tokens):
+        self.pending = (step, verdict, label_tokens)
+
+    def settle(self):
+        """Read the pending verdict: waits for the GPU to finish that step's gradient and all-reduce."""
+        if self.pending is None:
+            return
+        (step, verdict, label_tokens), self.pending = self.pending, None
+        bad_gradient, stop = (value > 0 for value in verdict.tolist())
+        self.stop = self.stop or stop
+        if not bad_gradient:
+            self.bad_in_a_row = 0
+            self.label_tokens += label_tokens
+            return
+        self.bad_in_a_row += 1
+        self.skipped += 1
+        log0(f"step {step} | non-finite gradient: update skipped ({self.bad_in_a_row} in a row)")
+        if self.bad_in_a_row >= self.max_bad_steps:
+            die(f"{self.bad_in_a_row} steps in a row had a non-finite gradient (train.max_bad_steps="
+                f"{self.max_bad_steps}); no update was made from them and no checkpoint holds them -> "
+                "lower optim.lr or raise optim.warmup_steps, and check the data")
+
+
 def catch_stop_signals():
     """SIGTERM (a scheduler's preemption notice; torchrun passes one on to every worker, then kills them 30 s
     later, the TORCH_ELASTIC_SHUTDOWN_TIMEOUT of torch 2.13, fixed in 2.11) and SIGINT (Ctrl-C) ask for a clean
     stop: the list returned gets the signal's name, and the training loop stops every rank at the end of the
-    same step, after a checkpoint. A second signal stops at once."""
+    same step (the one after the step whose verdict first carries it, where that verdict is read late:
+    StepVerdicts), after a checkpoint. A second signal stops at once."""
     requested = []
 
     def on_signal(number, frame):
