@@ -2442,6 +2442,15 @@ def test_bench_reads_nanogpt_and_our_logs_over_the_same_window_and_writes_one_ro
     assert bench.CONFIG_SIDES["metrics_off"] == [o.replace("true", "false").replace("{prometheus_port}", "0")
                                                  for o in bench.CONFIG_SIDES["metrics_on"]]  # the same three knobs
     assert "| shapeA_1gpu | 1 |" in bench.summary_markdown(stage_records, list(rows.values()))
+    # ours at config.yaml's micro-batch (32) against nanoGPT at the 16 and at 32, same call
+    micro = [{**common, "stage": "shapeA_1gpu", "side": side, "gpus": 1, "command": side, "tokens_per_sec": tps}
+             for side, tps in [("config:micro32", 600.0), ("nanogpt", 500.0), ("nanogpt_micro32", 540.0)]]
+    rows = {row["metric"]: row for row in bench.figures(micro)}
+    assert set(rows) == {"shapeA_1gpu_micro32_tokens_per_sec", "shapeA_1gpu_micro32_vs_nanogpt_micro32_tokens_per_sec"}
+    assert rows["shapeA_1gpu_micro32_tokens_per_sec"]["ratio"] == pytest.approx(1.2)
+    assert rows["shapeA_1gpu_micro32_vs_nanogpt_micro32_tokens_per_sec"]["ratio"] == pytest.approx(600 / 540)
+    summary = bench.summary_markdown(micro, list(rows.values()))
+    assert "| shapeA_1gpu / config:micro32 | 1 |" in summary and "nanogpt_micro32 |" not in summary.split("Commands")[0]
 
 
 def test_bench_compares_the_inline_reducer_with_ddp_and_derives_ddps_exposed_communication():

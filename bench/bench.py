@@ -63,13 +63,14 @@ BERT_BATCH = {"seq_len": 512, "micro_batch_size": 32, "global_batch_size": 256} 
 # one GPU, B ~90k; 65,536 tokens per step). timeout_s holds for each side on its own; the two sides of a
 # stage together stay under the GPU machine's 10 minutes per call.
 STAGES = {
-    # config:micro32 (issue 8's "micro-batch size"): ours with micro-batches of 32, the same global batch
-    "shapeA_1gpu": {"sides": ["ours", "nanogpt", "config:micro32"], "shape": "A", "gpus": 1, "steps": 150, "skip_steps": 20,
+    # config:micro32 (issue 8's "micro-batch size"): ours with micro-batches of 32, the same global batch;
+    # nanogpt_micro32: nanoGPT's the same (its --batch_size=32, half the accumulation steps)
+    "shapeA_1gpu": {"sides": ["ours", "nanogpt", "config:micro32", "nanogpt_micro32"], "shape": "A", "gpus": 1, "steps": 150, "skip_steps": 20,
                     "log_every": 10, "timeout_s": 240},
     "shapeB_1gpu": {"sides": ["ours", "nanogpt", "config:micro32"], "shape": "B", "gpus": 1, "steps": 30, "skip_steps": 10,
                     "log_every": 5, "timeout_s": 280},
     # and ours_buckets: DDP's buckets of 100 MiB, so Dynamo splits the compiled graph into fewer pieces
-    "shapeA_2gpu": {"sides": ["ours", "nanogpt", "config:micro32", "ours_buckets"], "shape": "A", "gpus": 2, "steps": 200, "skip_steps": 30,
+    "shapeA_2gpu": {"sides": ["ours", "nanogpt", "config:micro32", "nanogpt_micro32", "ours_buckets"], "shape": "A", "gpus": 2, "steps": 200, "skip_steps": 30,
                     "log_every": 10, "timeout_s": 240},
     "shapeB_2gpu": {"sides": ["ours", "nanogpt", "config:micro32"], "shape": "B", "gpus": 2, "steps": 70, "skip_steps": 10,
                     "log_every": 5, "timeout_s": 280},
@@ -750,16 +751,21 @@ def read_nanogpt_log(output, tokens_per_step, skip_steps):
             "window": f"steps {skip_steps + 1}-{last_step}", "window_s": round(seconds, 2)}
 
 
-def run_nanogpt(stage_name, stage, shape, batch, tiny, port, log):
+def run_nanogpt(stage_name, stage, shape, batch, tiny, port, log, micro_batch_size=None):
     train_script = NANOGPT_DIR / "train.py"
     if not train_script.is_file():
         return {"status": "missing", "note": (
             f"no nanoGPT checkout at {NANOGPT_DIR} -> git clone https://github.com/karpathy/nanoGPT "
             f"{REPO / '.baselines' / 'nanoGPT'} (or set NANOGPT_DIR); an offline machine needs it carried there")}
     data_dir = random_token_data(batch, tiny)
-    run_dir = WORK_DIR / stage_name / "nanogpt"
+    run_dir = WORK_DIR / stage_name / (f"nanogpt_micro{micro_batch_size}" if micro_batch_size else "nanogpt")
     remove_tree(run_dir)
     flags = nanogpt_flags(shape, batch, stage["steps"], run_dir, data_dir, tiny)
+    if micro_batch_size:  # nanogpt_micro32: its micro-batch as large as ours by default, the same global batch
+        if batch["global_batch_size"] % (micro_batch_size * stage["gpus"]):
+            return {"status": f"skipped: micro-batches of {micro_batch_size} do not split the global batch"}
+        flags = nanogpt_flags(shape, {**batch, "micro_batch_size": micro_batch_size}, stage["steps"], run_dir,
+                              data_dir, tiny)
     processes = stage["gpus"]
     note = None
     if tiny and processes > 1:  # its DDP path calls torch.cuda.set_device(f'cuda:{local_rank}')
@@ -933,6 +939,7 @@ def dataparallel_worker(stage_name, tiny):
 
 
 SIDE_RUNNERS = {"dataparallel": run_dataparallel, "ours": run_ours, "ours_fsdp": run_ours, "ours_tiered": run_ours, "nanogpt": run_nanogpt,
+                "nanogpt_micro32": lambda *args: run_nanogpt(*args, micro_batch_size=32),
                 "hf_trainer": run_hf_trainer, "hf_trainer_compiled": run_hf_trainer}
 
 
@@ -996,6 +1003,11 @@ def figures(stage_records):
                 "tokens/s (ours: micro-batches of 32, config.yaml's default; nanoGPT: its 16)", nanogpt_label(micro32),
                 theirs.get("tokens_per_sec"), micro32.get("command"), theirs.get("command"), micro32,
                 note=f"ours with micro-batches of 16 in this call: {number((ours or {}).get('tokens_per_sec'), 0)} tokens/s")
+            their32 = sides.get("nanogpt_micro32")
+            if their32:
+                row(f"{name}_micro32_vs_nanogpt_micro32_tokens_per_sec", micro32.get("tokens_per_sec"),
+                    "tokens/s (both with micro-batches of 32)", nanogpt_label(micro32) + ", micro-batches of 32",
+                    their32.get("tokens_per_sec"), micro32.get("command"), their32.get("command"), micro32)
             if name == "shapeB_1gpu":
                 row("shapeB_1gpu_micro32_mfu", micro32.get("mfu"), "fraction of peak dense bf16 FLOP/s, micro-batches of 32",
                     nanogpt_label(micro32) + ", MFU by our formula", theirs.get("mfu_by_our_formula"),
@@ -1301,7 +1313,7 @@ def summary_markdown(stage_records, rows):
     shape_stages = ("shapeA_1gpu", "shapeB_1gpu", "shapeA_2gpu", "shapeB_2gpu")
     for name, sides in by_stage.items():
         # a shape stage's other sides of ours (config:micro32, ours_buckets) are compared with nanoGPT too
-        for side in [s for s in sides if s != "nanogpt" and (s == "ours" or name in shape_stages)]:
+        for side in [s for s in sides if not s.startswith("nanogpt") and (s == "ours" or name in shape_stages)]:
             if not (against_nanogpt(name, sides) or name in shape_stages):
                 continue
             ours, theirs = sides[side], sides.get("nanogpt", {})
