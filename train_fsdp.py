@@ -311,10 +311,10 @@ def main():
             # allocated after the update 1,736 MiB with the name kept, against 1,406 MiB of weights and state)
             del logits
             step_loss_sum += loss_sum.detach()
-            if index == 0:  # the last step's verdict, read now that the GPU has this micro-batch to run meanwhile
-                verdicts.settle()
-            if tiered and index == 0:  # tiered: the rows the last step updated go into the CPU tables now, while
-                tiered.write_to_tables()  # the GPU has this micro-batch to run, not at the step's end with stage()
+            if index == 0:  # the host waits for the last step's work now, while the GPU has this micro-batch to run:
+                verdicts.settle()  # that step's verdict
+                if tiered:  # tiered: and the rows it updated, into the CPU tables (not at the step's end with stage())
+                    tiered.write_to_tables()
         # the next step's batches, built on the host while the GPU still runs this step's backward; data_wait
         # counts what that costs the device: on a GPU only the time it sits idle waiting for them
         with data_wait:

@@ -55,6 +55,7 @@ TINY_SHAPES = {
     "B": {"n_layer": 3, "n_head": 4, "n_embd": 96},
 }
 TINY_BATCH = {"vocab_size": 8192, "seq_len": 64, "micro_batch_size": 4, "global_batch_size": 16}
+SHAPE_STAGES = ("shapeA_1gpu", "shapeB_1gpu", "shapeA_2gpu", "shapeB_2gpu")  # ours against nanoGPT, issue 8's table
 BERT_BATCH = {"seq_len": 512, "micro_batch_size": 32, "global_batch_size": 256}  # the bert_* stages (GPU)
 
 # steps: optimizer steps each side runs; skip_steps: the first steps left out of the figures (compile,
@@ -235,9 +236,7 @@ VARIANTS = {
 }
 # before_issue_6: train_ddp.py as it was before this round of work (commit 47acc78), kept outside the
 # repository with its config.yaml: git show 47acc78:train_ddp.py > .baselines/before_issue_6/train_ddp.py
-VARIANT_FILES = {"before_issue_6": REPO / ".baselines" / "before_issue_6",
-                 # a candidate train_ddp.py (and its config.yaml) from a branch, measured before it is merged
-                 "candidate": REPO / ".baselines" / "candidate"}
+VARIANT_FILES = {"before_issue_6": REPO / ".baselines" / "before_issue_6"}
 
 # Sides "config:NAME" (a "#N" after the name only tells repeats apart): train_ddp.py with these overrides added.
 # {prometheus_port} is the side's own port (MASTER_PORT + 5: two bench processes on one machine do not clash).
@@ -250,7 +249,6 @@ CONFIG_SIDES = {
     # launches on the host per token
     "micro32": ["train.micro_batch_size=32"],
     "micro64": ["train.micro_batch_size=64"],
-    "micro32_buckets": ["train.micro_batch_size=32", "dist.bucket_mb=100"],
 }
 
 DATA_WAIT_KEY = "data_wait_frac"  # a metrics.jsonl "train" key
@@ -760,12 +758,11 @@ def run_nanogpt(stage_name, stage, shape, batch, tiny, port, log, micro_batch_si
     data_dir = random_token_data(batch, tiny)
     run_dir = WORK_DIR / stage_name / (f"nanogpt_micro{micro_batch_size}" if micro_batch_size else "nanogpt")
     remove_tree(run_dir)
-    flags = nanogpt_flags(shape, batch, stage["steps"], run_dir, data_dir, tiny)
     if micro_batch_size:  # nanogpt_micro32: its micro-batch as large as ours by default, the same global batch
         if batch["global_batch_size"] % (micro_batch_size * stage["gpus"]):
             return {"status": f"skipped: micro-batches of {micro_batch_size} do not split the global batch"}
-        flags = nanogpt_flags(shape, {**batch, "micro_batch_size": micro_batch_size}, stage["steps"], run_dir,
-                              data_dir, tiny)
+        batch = {**batch, "micro_batch_size": micro_batch_size}
+    flags = nanogpt_flags(shape, batch, stage["steps"], run_dir, data_dir, tiny)
     processes = stage["gpus"]
     note = None
     if tiny and processes > 1:  # its DDP path calls torch.cuda.set_device(f'cuda:{local_rank}')
@@ -994,7 +991,7 @@ def figures(stage_records):
     def nanogpt_label(r):
         return f"nanoGPT train.py @{r.get('nanogpt_commit', 'unknown')[:7]}, same shape, same call"
 
-    for name in ["shapeA_1gpu", "shapeB_1gpu", "shapeA_2gpu", "shapeB_2gpu"]:
+    for name in SHAPE_STAGES:
         sides = by_stage.get(name, {})
         ours, theirs = sides.get("ours"), sides.get("nanogpt") or {}
         micro32 = sides.get("config:micro32")  # ours at config.yaml's micro-batch (32); "ours" at nanoGPT's 16
@@ -1302,20 +1299,19 @@ def summary_markdown(stage_records, rows):
         "vocabulary (out/bench/random_tokens); a causal step of fixed length does the same work on either.",
     ]
     by_stage = sides_by_stage(stage_records)
-    def against_nanogpt(name, sides):
-        return "ours" in sides and not STAGES.get(name, {}).get("zipf_data") and not STAGES.get(name, {}).get("mlm")
+    def sides_against_nanogpt(name, sides):
+        """ours, and in a shape stage also ours' other sides (config:micro32, ours_buckets), each against nanoGPT"""
+        if name in SHAPE_STAGES:
+            return [side for side in sides if not side.startswith("nanogpt")]
+        return ["ours"] if "ours" in sides and not STAGES.get(name, {}).get("zipf_data") \
+            and not STAGES.get(name, {}).get("mlm") else []
 
-    if any(against_nanogpt(name, sides) or name in ("shapeA_1gpu", "shapeB_1gpu", "shapeA_2gpu", "shapeB_2gpu")
-           for name, sides in by_stage.items()):
+    if any(sides_against_nanogpt(name, sides) for name, sides in by_stage.items()):
         lines += ["", "| stage | GPUs | window | ours tokens/s | nanoGPT tokens/s | ratio "
                   "| ours MFU (reported / formula) | nanoGPT MFU (formula) | ours peak mem GiB | status ours / nanoGPT |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
-    shape_stages = ("shapeA_1gpu", "shapeB_1gpu", "shapeA_2gpu", "shapeB_2gpu")
     for name, sides in by_stage.items():
-        # a shape stage's other sides of ours (config:micro32, ours_buckets) are compared with nanoGPT too
-        for side in [s for s in sides if not s.startswith("nanogpt") and (s == "ours" or name in shape_stages)]:
-            if not (against_nanogpt(name, sides) or name in shape_stages):
-                continue
+        for side in sides_against_nanogpt(name, sides):
             ours, theirs = sides[side], sides.get("nanogpt", {})
             ours_tps, their_tps = ours.get("tokens_per_sec"), theirs.get("tokens_per_sec")
             lines.append(
@@ -1324,7 +1320,7 @@ def summary_markdown(stage_records, rows):
                 f"| {percent(ours.get('mfu'))} / {percent(ours.get('mfu_by_our_formula'))} "
                 f"| {percent(theirs.get('mfu_by_our_formula'))} | {number(ours.get('peak_mem_gib'), 1)} "
                 f"| {ours.get('status')} / {theirs.get('status', '—')} |")
-    other = [r for r in stage_records if r["stage"] not in ("shapeA_1gpu", "shapeB_1gpu", "shapeA_2gpu", "shapeB_2gpu")
+    other = [r for r in stage_records if r["stage"] not in SHAPE_STAGES
              and not r["stage"].startswith("hf_") and r.get("side") != "placeholder"]
     if other:
         lines += ["", "| stage | side | GPUs | parameters | window | tokens/s | MFU (reported) | peak mem GiB | status |",
