@@ -64,7 +64,9 @@ if [ -n "${SLURM_JOB_ID:-}" ] && [ -z "${NNODES:-}" ]; then
   NODE_RANK=${SLURM_NODEID:-0}
   if [ -z "${MASTER_ADDR:-}" ]; then
     command -v scontrol >/dev/null || fail "slurm" "scontrol not found to read the first node of \$SLURM_JOB_NODELIST -> set MASTER_ADDR"
-    MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+    # `sed -n 1p` reads to the end; `head -n 1` would leave early, and under pipefail the SIGPIPE this gives
+    # scontrol (exit 141) would end this script without a word.
+    MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)
   fi
 fi
 NNODES=${NNODES:-1}
@@ -362,7 +364,7 @@ wait "$TAIL_PID" || true
 
 last_attempt_dir() {  # LOG_DIR/<date>-node<rank>-<pid>/<rendezvous id>_<random>/attempt_<restarts>
   local run_dir attempt=0
-  run_dir=$(find "$RUN_LOG_DIR" -mindepth 1 -maxdepth 1 -type d | head -n 1)
+  run_dir=$(find "$RUN_LOG_DIR" -mindepth 1 -maxdepth 1 -type d -print -quit)
   [ -n "$run_dir" ] || return 0
   while [ -d "$run_dir/attempt_$((attempt + 1))" ]; do attempt=$((attempt + 1)); done
   echo "$run_dir/attempt_$attempt"
@@ -372,8 +374,8 @@ report_failure() {  # what failed, from torchrun's summary ("Root Cause") and th
   local attempt_dir rank local_rank exit_code stderr_file file error_line=""
   attempt_dir=$(last_attempt_dir)
   read -r rank local_rank < <(sed -n '/Root Cause/,$ s/^ *rank *: \([0-9]*\) (local_rank: \([0-9]*\)).*/\1 \2/p' \
-    "$RUN_LOG_DIR/torchrun.log" | head -n 1) || true
-  exit_code=$(sed -n '/Root Cause/,$ s/^ *exitcode *: \([^ ]*\).*/\1/p' "$RUN_LOG_DIR/torchrun.log" | head -n 1)
+    "$RUN_LOG_DIR/torchrun.log" | sed -n 1p) || true
+  exit_code=$(sed -n '/Root Cause/,$ s/^ *exitcode *: \([^ ]*\).*/\1/p' "$RUN_LOG_DIR/torchrun.log" | sed -n 1p)
   if [ -z "${local_rank:-}" ] || [ -z "$attempt_dir" ]; then
     echo "FAIL: torchrun exited with status $status before any worker failed -> its messages above say why (also in $RUN_LOG_DIR/torchrun.log)" >&2
     return

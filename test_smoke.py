@@ -1443,7 +1443,9 @@ TOPOLOGY = ["NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "NPROC_PER_NODE
 def test_launch_dry_run_prints_the_torchrun_command(env, expected, tmp_path):
     fake_bin = tmp_path / "bin"  # stands in for Slurm's scontrol, which expands the node list
     fake_bin.mkdir()
-    (fake_bin / "scontrol").write_text("#!/bin/sh\necho gpu07\necho gpu08\n")
+    # The pause makes the second line come after a reader that wants only the first may have gone: a
+    # `scontrol | head -n 1` under `set -o pipefail` then dies of SIGPIPE (exit 141), as CI once saw by chance.
+    (fake_bin / "scontrol").write_text("#!/bin/sh\necho gpu07\nsleep 0.3\necho gpu08\n")
     (fake_bin / "scontrol").chmod(0o755)
     clean = {key: value for key, value in os.environ.items() if key not in TOPOLOGY}
     clean.update(env, LAUNCH_DEVICE="cpu", PATH=f"{fake_bin}:{os.environ['PATH']}")
