@@ -1817,10 +1817,10 @@ class StepVerdicts:
 
 def catch_stop_signals():
     """SIGTERM (a scheduler's preemption notice; torchrun passes one on to every worker, then kills them 30 s
-    later, the TORCH_ELASTIC_SHUTDOWN_TIMEOUT of torch 2.13, fixed in 2.11) and SIGINT (Ctrl-C) ask for a clean
-    stop: the list returned gets the signal's name, and the training loop stops every rank at the end of the
-    same step (the one after the step whose verdict first carries it, where that verdict is read late:
-    StepVerdicts), after a checkpoint. A second signal stops at once."""
+    later by default: torch 2.13 reads TORCH_ELASTIC_SHUTDOWN_TIMEOUT, added by pytorch PR #172596, which older
+    versions may lack) and SIGINT (Ctrl-C) ask for a clean stop: the list returned gets the signal's name, and
+    the training loop stops every rank at the end of the same step (the one after the step whose verdict first
+    carries it, where that verdict is read late: StepVerdicts), after a checkpoint. A second signal stops at once."""
     requested = []
 
     def on_signal(number, frame):
