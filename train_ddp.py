@@ -284,7 +284,7 @@ def main():
     with data_wait:
         next_batches = rank_batches(train_data, samples_seen, cfg.train.seed, cfg, world_size, rank, device)
         if tiered:  # tiered: the first step's CPU rows, on their way to the GPU
-            tiered.stage(next_batches[0], step_input_ids(train_data, samples_seen, cfg, world_size, next_batches[0]))
+            tiered.stage(next_batches[0], step_input_ids(train_data, samples_seen, cfg, world_size, rank, next_batches[0]))
     while step < cfg.train.max_steps:
         micro_batches, step_input_tokens, step_label_tokens, step_lengths = next_batches
         if tiered:  # tiered: the step's CPU rows on the GPU: as staged, or as the last step updated them there
@@ -333,7 +333,7 @@ def main():
                                         world_size, rank, device)
             if tiered:  # tiered: and its CPU rows, gathered and on their way to the GPU
                 tiered.stage(next_batches[0], step_input_ids(train_data, samples_seen + cfg.train.global_batch_size,
-                                                             cfg, world_size, next_batches[0]))
+                                                             cfg, world_size, rank, next_batches[0]))
         if reducer:
             reducer.finish()  # every bucket's sum is in, averaged: before anything reads a gradient
         scaler.unscale_(optimizer)  # clip the true gradient, not the fp16-scaled one
@@ -1358,16 +1358,16 @@ class TieredEmbedding(torch.nn.Module):  # tiered
         return torch.nn.Embedding.from_pretrained(weight, freeze=False, padding_idx=self.padding_idx)
 
 
-def step_input_ids(split_data, position, cfg, world_size, micro_batches):  # tiered
-    """Every input id of the global batch at `position`, all ranks', flat: the rows a tiered step updates. Each
-    rank builds the other ranks' micro-batches from the shared plan itself (no communication, no wait for the
-    GPU), as make_micro_batch would for them; one rank has them all already."""
-    if world_size == 1:
-        return torch.cat([batch["host_input_ids"].flatten() for batch in micro_batches])
+def step_input_ids(split_data, position, cfg, world_size, rank, micro_batches):  # tiered
+    """Every input id of the global batch at `position`, all ranks', flat: the rows a tiered step updates.
+    `micro_batches` are this rank's, built already; each rank builds the other ranks' input ids from the shared
+    plan itself (no communication, no wait for the GPU), as make_micro_batch does for them."""
     plan = global_batch_plan(position, cfg.train.global_batch_size, len(split_data), cfg.train.seed,
                              cfg.train.micro_batch_size, world_size, split_data.length if split_data.task == "mlm" else None)
-    return torch.cat([make_micro_batch(split_data, ids, epochs, cfg, split_data.special, torch.device("cpu"))
-                      ["input_ids"].flatten() for rank_plan in plan for ids, epochs in rank_plan])
+    return torch.cat([batch["host_input_ids"].flatten() for batch in micro_batches]
+                     + [make_micro_batch(split_data, ids, epochs, cfg, split_data.special, torch.device("cpu"))
+                        ["input_ids"].flatten()
+                        for other_rank, rank_plan in enumerate(plan) if other_rank != rank for ids, epochs in rank_plan])
 
 
 def embedding_memory(raw_model, optimizer):
