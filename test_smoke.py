@@ -1623,41 +1623,24 @@ def test_sigterm_to_launch_stops_torchrun_and_every_worker_and_exits_non_zero(tm
 
 # ----------------------------------------------------------------------------- two hosts from network namespaces
 
-def ip(*args):
-    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
-
-
 @pytest.fixture(scope="module")
 def two_hosts():
-    """Two network namespaces joined by a veth pair: "hosts" 10.77.0.1 and 10.77.0.2, each with its own
-    loopback and ports, sharing this machine's files. Yields {address: (namespace, interface)}."""
+    """Two network namespaces joined by a veth pair (bench.py's make_two_hosts): "hosts" 10.77.0.1 and 10.77.0.2,
+    each with its own loopback and ports, sharing this machine's files. Yields {address: (namespace, interface)}."""
     if shutil.which("ip") is None:
         pytest.skip("no `ip` command (iproute2) to make network namespaces: apt-get install iproute2")
     if os.geteuid() != 0:
         pytest.skip("making network namespaces needs root")
     tag = f"{os.getpid() % 100000}"  # interface names may have at most 15 characters
-    hosts = {"10.77.0.1": (f"lt{tag}a", f"ltv{tag}a"), "10.77.0.2": (f"lt{tag}b", f"ltv{tag}b")}
-    (ns_a, if_a), (ns_b, if_b) = hosts.values()
+    hosts = [("10.77.0.1", f"lt{tag}a", f"ltv{tag}a"), ("10.77.0.2", f"lt{tag}b", f"ltv{tag}b")]
+    bench = load_bench()
     try:
-        made = ip("netns", "add", ns_a)
-        if made.returncode != 0:
-            pytest.skip(f"cannot make a network namespace here ({made.stderr.strip()})")
-        steps = [("netns", "add", ns_b), ("link", "add", if_a, "type", "veth", "peer", "name", if_b),
-                 ("link", "set", if_a, "netns", ns_a), ("link", "set", if_b, "netns", ns_b)]
-        for address, (namespace, interface) in hosts.items():
-            steps += [("-n", namespace, "addr", "add", f"{address}/24", "dev", interface),
-                      ("-n", namespace, "link", "set", "lo", "up"), ("-n", namespace, "link", "set", interface, "up")]
-        for step in steps:
-            done = ip(*step)
-            if done.returncode != 0:
-                pytest.skip(f"cannot join network namespaces here: ip {' '.join(step)}: {done.stderr.strip()}")
-        yield hosts
+        problem = bench.make_two_hosts(hosts)
+        if problem:
+            pytest.skip(f"cannot make two network namespaces here ({problem})")
+        yield {address: (namespace, interface) for address, namespace, interface in hosts}
     finally:
-        for namespace, interface in hosts.values():
-            for pid in ip("netns", "pids", namespace).stdout.split():  # anything a failed test left running
-                os.kill(int(pid), signal.SIGKILL)
-            ip("netns", "del", namespace)
-            ip("link", "del", interface)  # only if it never left this namespace; else gone with its namespace
+        bench.remove_two_hosts(hosts)  # and anything a failed test left running in them
 
 
 def launch_on_host(hosts, address, node_rank, *args, env_extra=None):

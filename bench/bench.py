@@ -21,6 +21,7 @@ launched and read), then figures (what is compared, and how).
 """
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -552,14 +553,15 @@ def launch_text(command, env_extras, prefixes=None):
     return texts[0] if len(texts) == 1 else " & ".join(texts) + " & wait"
 
 
-def make_two_hosts():
-    """NETNS_HOSTS: two network namespaces joined by a veth pair, as test_smoke.py's two_hosts fixture makes
-    them (root and iproute2 needed). Returns None, or why they could not be made."""
-    remove_two_hosts()
-    (_, ns_a, if_a), (_, ns_b, if_b) = NETNS_HOSTS
+def make_two_hosts(hosts=NETNS_HOSTS):
+    """Two network namespaces joined by a veth pair, each end with its address: `hosts` is [(address, namespace,
+    interface)] for each (root and iproute2 needed; test_smoke.py's two_hosts fixture makes its own with this).
+    Returns None, or why they could not be made."""
+    remove_two_hosts(hosts)
+    (_, ns_a, if_a), (_, ns_b, if_b) = hosts
     steps = [["netns", "add", ns_a], ["netns", "add", ns_b], ["link", "add", if_a, "type", "veth", "peer", "name", if_b],
              ["link", "set", if_a, "netns", ns_a], ["link", "set", if_b, "netns", ns_b]]
-    for address, namespace, interface in NETNS_HOSTS:
+    for address, namespace, interface in hosts:
         steps += [["-n", namespace, "addr", "add", f"{address}/24", "dev", interface],
                   ["-n", namespace, "link", "set", "lo", "up"], ["-n", namespace, "link", "set", interface, "up"]]
     for step in steps:
@@ -568,19 +570,28 @@ def make_two_hosts():
         except (OSError, subprocess.TimeoutExpired) as error:
             return f"ip {' '.join(step)}: {error}"
         if done.returncode != 0:
-            remove_two_hosts()
+            remove_two_hosts(hosts)
             return f"ip {' '.join(step)}: {done.stderr.strip()}"
     return None
 
 
-def remove_two_hosts():
-    """Deleting a namespace also deletes the veth end inside it, and with it the other end."""
-    for _, namespace, interface in NETNS_HOSTS:
-        for command in [["ip", "netns", "del", namespace], ["ip", "link", "del", interface]]:
-            try:
-                subprocess.run(command, capture_output=True, timeout=30)
-            except (OSError, subprocess.TimeoutExpired):
-                pass
+def remove_two_hosts(hosts=NETNS_HOSTS):
+    """Ends whatever still runs in the namespaces, then deletes them; deleting a namespace also deletes the veth
+    end inside it, and with it the other end (an end that never moved into its namespace is deleted by name)."""
+    for _, namespace, interface in hosts:
+        for pid in quiet_run(["ip", "netns", "pids", namespace]).split():
+            with contextlib.suppress(ProcessLookupError):  # ended meanwhile
+                os.kill(int(pid), signal.SIGKILL)
+        quiet_run(["ip", "netns", "del", namespace])
+        quiet_run(["ip", "link", "del", interface])
+
+
+def quiet_run(command):
+    """The command's output, or "" where it fails or cannot run (no such namespace, no `ip` command)."""
+    try:
+        return subprocess.run(command, capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
 
 
 def nccl_transports(output):
