@@ -946,7 +946,8 @@ def dataparallel_worker(stage_name, tiny):
     print("DATAPARALLEL_RESULT " + json.dumps(result), flush=True)
 
 
-SIDE_RUNNERS = {"dataparallel": run_dataparallel, "ours": run_ours, "ours_fsdp": run_ours, "ours_tiered": run_ours, "nanogpt": run_nanogpt,
+SIDE_RUNNERS = {"dataparallel": run_dataparallel, "ours": run_ours, "ours_fsdp": run_ours, "ours_tiered": run_ours,
+                "nanogpt": run_nanogpt,
                 "nanogpt_micro32": lambda *args: run_nanogpt(*args, micro_batch_size=32),
                 "hf_trainer": run_hf_trainer, "hf_trainer_compiled": run_hf_trainer}
 
