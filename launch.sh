@@ -272,7 +272,7 @@ EOF
 # A worker node waits for anything to accept connections on the master's port (node 0 may start later),
 # then asks it to act as torch's TCPStore, the server that torchrun's rendezvous runs on node 0. Another
 # service on that port passes a plain connect, and torchrun's own TCPStore client then retries for its
-# whole timeout (60 s with c10d, 600 s with the static rendezvous), or waits for ever if the service never
+# whole timeout (60 s with c10d, 900 s with the static rendezvous), or waits for ever if the service never
 # answers (measured: still waiting after 40 s with a 2 s timeout, torch 2.13).
 # Exit 1: nothing answered in time; exit 3: something answered, but not a store.
 check_master_reachable() {
