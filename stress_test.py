@@ -6,7 +6,7 @@ Run (one process per GPU, NCCL; on a machine without GPUs, gloo on the CPU):
     torchrun --nproc_per_node 8 stress_test.py --sizes 1M,64M,1G --ops all_reduce_sum --duration 600
 
 Read first: run_row() (one line of the table: fill, run, check, time) and the conventions under
-"4. collectives", which are nccl-tests' so that our table and all_reduce_perf's compare side by side.
+"4. collectives", which are nccl-tests' so our table and all_reduce_perf's compare side by side.
 Exit code: 0 only if every result was exact and all ranks ended with identical weights; 1 if not;
 2 for a bad option (one `error:` line, printed by rank 0).
 """
@@ -29,60 +29,77 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor (*_single) and warns on every call;
-# torch 2.11 on our GPU machines has only the old names, so we keep them and silence the warning.
-warnings.filterwarnings("ignore", message=r".*(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated")
+# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor (*_single) and warns on every
+# call; torch 2.11 on our GPU machines has only the old names, so we keep them and silence it.
+warnings.filterwarnings(
+    "ignore", message=r".*(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated")
 
 # ----------------------------------------------------------------------------- 1. config
 OPS = ["all_reduce_sum", "all_reduce_max", "all_gather", "reduce_scatter", "broadcast"]
-IN_PLACE_OPS = {"all_reduce_sum", "all_reduce_max", "broadcast"}  # torch writes their result into the input
+# torch writes their result into the input
+IN_PLACE_OPS = {"all_reduce_sum", "all_reduce_max", "broadcast"}
 BROADCAST_ROOT = 0  # nccl-tests' default root
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int32": torch.int32}
-# Every integer up to this is exact in the dtype. Our values and their sums over ranks stay below it, so
-# each expected result is exact and compared with ==: any difference is a real error, not rounding.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "int32": torch.int32}
+# Every integer up to this is exact in the dtype. Our values and their sums over ranks stay below
+# it, so each expected result is exact and compared with ==: a difference is an error, not rounding.
 EXACT_INTEGER_LIMIT = {"float32": 2**24, "bfloat16": 2**8, "float16": 2**11, "int32": 2**31 - 1}
-SIZE_UNITS = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}  # binary, as nccl-tests' -b/-e
-# Default sweeps (min, max, factor), each with 100 timed iterations a size, so the whole default run,
-# gradient check included, ends within 60 s: 8 B..1 GiB on 2 H200s; gloo on 2 CPU cores is ~1000x slower.
+# binary, as nccl-tests' -b/-e
+SIZE_UNITS = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
+# Default sweeps (min, max, factor): short enough for a quick default run; gloo on the CPU is far
+# slower than NCCL on GPUs.
 DEFAULT_SWEEP_GPU = ("8", "1G", 2)
 DEFAULT_SWEEP_CPU = ("8", "2M", 4)
-CHECK_CHUNK = 1 << 22  # elements checked at a time: checking 1 GiB takes 128 MiB of scratch, not 8 GiB
+# elements checked at a time: checking 1 GiB takes 128 MiB of scratch, not 8 GiB
+CHECK_CHUNK = 1 << 22
 SEQ_LEN, SEQUENCES_PER_RANK, SEED = 32, 4, 1337  # of the gradient check's batch
 
 
 def parse_size(text):
-    """'8' -> 8, '1K' -> 1024, '64M', '1G', '2T': bytes, K/M/G/T binary as in nccl-tests. ValueError if not."""
+    """'8' -> 8, '1K' -> 1024, '64M', '1G', '2T': bytes, K/M/G/T binary as in nccl-tests.
+    ValueError if not."""
     text = text.strip().upper()
     unit = text[-1] if text[-1:] in ("K", "M", "G", "T") else ""
     number = text[:-1] if unit else text
     if not number.isdigit() or int(number) == 0:
-        raise ValueError(f"{text!r} is not a size: a positive whole number of bytes, optionally with K, M, G or T")
+        raise ValueError(f"{text!r} is not a size: a positive whole number of bytes, "
+                         "optionally with K, M, G or T")
     return int(number) * SIZE_UNITS[unit]
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], exit_on_error=False, allow_abbrev=False)
-    parser.add_argument("--ops", default=",".join(OPS), help="comma-separated (default all): " + ", ".join(OPS))
-    parser.add_argument("--sizes", help="bytes per row, e.g. 8,1K,1M,64M,1G; instead of the sweep below")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], exit_on_error=False,
+                                     allow_abbrev=False)
+    parser.add_argument("--ops", default=",".join(OPS),
+                        help="comma-separated (default all): " + ", ".join(OPS))
+    parser.add_argument("--sizes",
+                        help="bytes per row, e.g. 8,1K,1M,64M,1G; instead of the sweep below")
     parser.add_argument("--min-bytes", help="sweep start (default 8)")
     parser.add_argument("--max-bytes", help="sweep end (default 1G on GPUs, 2M on CPU)")
     parser.add_argument("--factor", type=int, help="sweep multiplier (default 2 on GPUs, 4 on CPU)")
     parser.add_argument("--dtype", default="float32", choices=list(DTYPES))
-    parser.add_argument("--iters", type=int, default=100, help="timed iterations per row (default 100)")
-    parser.add_argument("--warmup", type=int, default=10, help="untimed iterations before them (default 10)")
-    parser.add_argument("--duration", type=float, default=0, help="seconds of soak after the table; 0 = none")
-    parser.add_argument("--timeout", type=float, default=300, help="seconds without progress before we fail (300)")
+    parser.add_argument("--iters", type=int, default=100,
+                        help="timed iterations per row (default 100)")
+    parser.add_argument("--warmup", type=int, default=10,
+                        help="untimed iterations before them (default 10)")
+    parser.add_argument("--duration", type=float, default=0,
+                        help="seconds of soak after the table; 0 = none")
+    parser.add_argument("--timeout", type=float, default=300,
+                        help="seconds without progress before we fail (300)")
     parser.add_argument("--json", help="write every figure to this file (rank 0)")
-    model = parser.add_argument_group("gradient check (a tiny transformers model, DDP, one AdamW step)")
+    model = parser.add_argument_group(
+        "gradient check (a tiny transformers model, DDP, one AdamW step)")
     model.add_argument("--skip-grad-check", action="store_true")
-    model.add_argument("--model-type", default="gpt2", help="any causal LM type of transformers (gpt2)")
+    model.add_argument("--model-type", default="gpt2",
+                       help="any causal LM type of transformers (gpt2)")
     model.add_argument("--n-layer", type=int, default=2)
     model.add_argument("--n-head", type=int, default=2)
     model.add_argument("--n-embd", type=int, default=64)
     model.add_argument("--vocab-size", type=int, default=512)
     tests = parser.add_argument_group("proving that the checkers can fail")
     tests.add_argument("--inject-corruption", type=int, default=-1, metavar="RANK",
-                       help="that rank flips one element of the first row's result before checking it")
+                       help="that rank flips one element of the first row's result before "
+                            "checking it")
     tests.add_argument("--inject-grad-corruption", type=int, default=-1, metavar="RANK",
                        help="that rank changes one gradient element after DDP's all-reduce")
     tests.add_argument("--inject-stall", type=int, default=-1, metavar="RANK",
@@ -91,12 +108,13 @@ def parse_args(argv):
     if unknown:
         known = [option for action in parser._actions for option in action.option_strings]
         nearest = difflib.get_close_matches(unknown[0].split("=")[0], known, n=1)
-        raise ValueError(f"unknown option {unknown[0]!r}" + (f" -> did you mean {nearest[0]}?" if nearest else ""))
+        raise ValueError(f"unknown option {unknown[0]!r}"
+                         + (f" -> did you mean {nearest[0]}?" if nearest else ""))
     return args
 
 
 def load_config(argv, world_size):
-    """Parse and check every option on every rank before any rank connects; returns (args, sizes)."""
+    """Parse and check every option on every rank before any connects; returns (args, sizes)."""
     try:
         args = parse_args(argv)
     except (argparse.ArgumentError, ValueError) as error:
@@ -104,7 +122,8 @@ def load_config(argv, world_size):
     args.ops = [op.strip() for op in args.ops.split(",") if op.strip()]
     unknown_ops = [op for op in args.ops if op not in OPS]
     if unknown_ops or not args.ops:
-        die(f"unknown collective {(unknown_ops or [''])[0]!r} in --ops -> choose from {','.join(OPS)}")
+        die(f"unknown collective {(unknown_ops or [''])[0]!r} in --ops "
+            f"-> choose from {','.join(OPS)}")
     sweep_given = [args.min_bytes, args.max_bytes, args.factor] != [None] * 3
     if args.sizes and sweep_given:
         die("--sizes and --min-bytes/--max-bytes/--factor both given -> use one of the two")
@@ -113,23 +132,30 @@ def load_config(argv, world_size):
             sizes = [parse_size(size) for size in args.sizes.split(",")]
         else:
             on_gpu = torch.cuda.is_available()
-            default_min, default_max, default_factor = DEFAULT_SWEEP_GPU if on_gpu else DEFAULT_SWEEP_CPU
-            sizes, max_bytes = [parse_size(args.min_bytes or default_min)], parse_size(args.max_bytes or default_max)
+            default_min, default_max, default_factor = (DEFAULT_SWEEP_GPU if on_gpu
+                                                        else DEFAULT_SWEEP_CPU)
+            sizes = [parse_size(args.min_bytes or default_min)]
+            max_bytes = parse_size(args.max_bytes or default_max)
             factor = args.factor or default_factor
             if factor < 2 or sizes[0] > max_bytes:
-                die(f"no sweep from {sizes[0]} to {max_bytes} B by x{factor} -> need --factor >= 2 and min <= max")
+                die(f"no sweep from {sizes[0]} to {max_bytes} B by x{factor} "
+                    "-> need --factor >= 2 and min <= max")
             while sizes[-1] * factor <= max_bytes:
                 sizes.append(sizes[-1] * factor)
     except ValueError as error:
         die(f"{error} -> e.g. --sizes 8,1K,64M,1G or --min-bytes 8 --max-bytes 1G --factor 2")
     element_size = DTYPES[args.dtype].itemsize
     if min(sizes) < element_size:
-        die(f"{min(sizes)} B is less than one {args.dtype} element -> sizes of at least {element_size} B")
-    if (args.iters < 1 or args.warmup < 0 or not 0 < args.timeout < math.inf or not 0 <= args.duration < math.inf):
-        die("--iters must be >= 1, --warmup >= 0, --timeout > 0, --duration >= 0, both finite -> fix the option")
+        die(f"{min(sizes)} B is less than one {args.dtype} element "
+            f"-> sizes of at least {element_size} B")
+    if (args.iters < 1 or args.warmup < 0 or not 0 < args.timeout < math.inf
+            or not 0 <= args.duration < math.inf):
+        die("--iters must be >= 1, --warmup >= 0, --timeout > 0, --duration >= 0, both finite "
+            "-> fix the option")
     for option in ("inject_corruption", "inject_grad_corruption", "inject_stall"):
         if not -1 <= getattr(args, option) < world_size:
-            die(f"--{option.replace('_', '-')} {getattr(args, option)} is not a rank -> give 0..{world_size - 1}")
+            die(f"--{option.replace('_', '-')} {getattr(args, option)} is not a rank "
+                f"-> give 0..{world_size - 1}")
     if EXACT_INTEGER_LIMIT[args.dtype] // world_size < 2:
         die(f"sums over {world_size} ranks cannot be exact in {args.dtype} -> use --dtype float32")
     if not args.skip_grad_check:
@@ -142,48 +168,52 @@ def make_model_config(args):
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
     for option in ("n_layer", "n_head", "n_embd", "vocab_size"):
         if getattr(args, option) < 1:
-            die(f"--{option.replace('_', '-')} {getattr(args, option)} is not positive -> give 1 or more")
+            die(f"--{option.replace('_', '-')} {getattr(args, option)} is not positive "
+                "-> give 1 or more")
     if args.n_embd % args.n_head:
-        die(f"--n-embd {args.n_embd} is not a multiple of --n-head {args.n_head} -> change one of them")
-    try:  # generic names work for every model type (gpt2 maps them to n_layer, n_head, n_embd, n_positions)
-        config = AutoConfig.for_model(args.model_type, num_hidden_layers=args.n_layer, hidden_size=args.n_embd,
-                                      num_attention_heads=args.n_head, vocab_size=args.vocab_size,
-                                      max_position_embeddings=SEQ_LEN, bos_token_id=None, eos_token_id=None)
+        die(f"--n-embd {args.n_embd} is not a multiple of --n-head {args.n_head} "
+            "-> change one of them")
+    # generic names work for every model type (gpt2 maps them to its n_layer, n_head, n_embd, ...)
+    try:
+        config = AutoConfig.for_model(args.model_type, num_hidden_layers=args.n_layer,
+                                      hidden_size=args.n_embd, num_attention_heads=args.n_head,
+                                      vocab_size=args.vocab_size, max_position_embeddings=SEQ_LEN,
+                                      bos_token_id=None, eos_token_id=None)
     except (ValueError, KeyError):
-        die(f"unknown --model-type {args.model_type!r} -> use a transformers model type such as gpt2 or llama")
+        die(f"unknown --model-type {args.model_type!r} "
+            "-> use a transformers model type such as gpt2 or llama")
     if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
-        die(f"--model-type {args.model_type} has no causal LM in transformers -> use gpt2, llama, qwen2, ...")
+        die(f"--model-type {args.model_type} has no causal LM in transformers "
+            "-> use gpt2, llama, qwen2, ...")
     if hasattr(config, "intermediate_size"):
         config.intermediate_size = 4 * args.n_embd  # llama-like defaults (11008) would not be tiny
     return config
 
 
 def build_model(config, args):
-    """Built now, before any rank connects: some model types of transformers cannot be built this small
-    (in transformers 5.24 e.g. bailing_hybrid, whose default pad id lies outside our vocabulary), and that
-    must end the run now, not after the whole table."""
+    """Built now, before any rank connects: some model types of transformers cannot be built this
+    small, and that must end the run now, not after the whole table."""
     from transformers import AutoModelForCausalLM
     torch.manual_seed(SEED)  # the same initial weights on every rank
     try:
         return AutoModelForCausalLM.from_config(config)
-    except Exception as error:  # transformers raises many kinds (ValueError, AssertionError, its validators)
+    except Exception as error:  # transformers raises many kinds (ValueError, AssertionError, ...)
         reason = (str(error).strip() or "no message").splitlines()[0]
-        die(f"--model-type {args.model_type} cannot be built with --n-layer {args.n_layer} --n-head {args.n_head} "
-            f"--n-embd {args.n_embd} --vocab-size {args.vocab_size} ({type(error).__name__}: {reason}) "
-            "-> use gpt2, llama, qwen2, ...")
+        die(f"--model-type {args.model_type} cannot be built with --n-layer {args.n_layer} "
+            f"--n-head {args.n_head} --n-embd {args.n_embd} --vocab-size {args.vocab_size} "
+            f"({type(error).__name__}: {reason}) -> use gpt2, llama, qwen2, ...")
 
 
 def die(message, exit_code=2):
-    """One clear line, printed once by rank 0, then every rank exits (they all reach the same verdict)."""
+    """One clear line, printed once by rank 0; every rank exits, as all reach the same verdict."""
     if int(os.environ.get("RANK", 0)) == 0:
         print(f"error: {message}", file=sys.stderr, flush=True)
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
     elif int(os.environ.get("RANK", 0)) != 0:
-        # Before the group exists nothing holds this rank back: had it exited first, torchrun would have stopped
-        # rank 0 before its line was printed (seen once on CI: a bad option, no error line). Rank 0's exit ends
-        # this wait: torchrun then stops the other ranks.
+        # Before the group exists, exiting first could let torchrun stop rank 0 before its line is
+        # printed; rank 0's exit ends this wait, as torchrun then stops the other ranks.
         time.sleep(10)
     sys.exit(exit_code)
 
@@ -193,18 +223,20 @@ def init_distributed(timeout_s):
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if torch.cuda.is_available():
         if local_rank >= torch.cuda.device_count():
-            die(f"LOCAL_RANK {local_rank} but {torch.cuda.device_count()} GPUs -> --nproc_per_node at most that")
+            die(f"LOCAL_RANK {local_rank} but {torch.cuda.device_count()} GPUs "
+                "-> --nproc_per_node at most that")
         torch.cuda.set_device(local_rank)
         device, backend = torch.device("cuda", local_rank), "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
-    # the backends' own timeouts are a backstop: start_watchdog() fires first, with a clearer message
+    # the backends' own timeouts are a backstop: start_watchdog() fires first, with a clearer line
     timeout = datetime.timedelta(seconds=timeout_s + 60)
     extra = {"device_id": device} if device.type == "cuda" else {}
     if "RANK" in os.environ:  # torchrun set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
         dist.init_process_group(backend, timeout=timeout, **extra)
     else:  # plain `python stress_test.py`: one rank needs no rendezvous
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout, **extra)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timeout, **extra)
     return device, dist.get_rank(), dist.get_world_size()
 
 
@@ -216,8 +248,8 @@ def beat(doing):
 
 
 def start_watchdog(timeout_s, rank):
-    """End this rank with a clear line when nothing finished for timeout_s: a rank that died or hangs
-    would otherwise keep the others waiting in a collective for ever (NCCL's own watchdog only aborts)."""
+    """End this rank with a clear line when nothing finished for timeout_s: a dead or hung rank
+    would keep the others waiting in a collective for ever (NCCL's own watchdog only aborts)."""
     beat("start")
 
     def watch():
@@ -225,9 +257,10 @@ def start_watchdog(timeout_s, rank):
             time.sleep(min(1.0, timeout_s / 4))
             stalled_s = time.monotonic() - PROGRESS["time"]
             if stalled_s > timeout_s:
-                print(f"error: rank {rank}: no collective finished for {stalled_s:.0f} s (--timeout {timeout_s:g}) "
-                      f"during {PROGRESS['doing']} -> a rank died or hangs, or the network is down; "
-                      "see the other ranks' lines", file=sys.stderr, flush=True)
+                print(f"error: rank {rank}: no collective finished for {stalled_s:.0f} s "
+                      f"(--timeout {timeout_s:g}) during {PROGRESS['doing']} -> a rank died or "
+                      "hangs, or the network is down; see the other ranks' lines",
+                      file=sys.stderr, flush=True)
                 os._exit(1)
     threading.Thread(target=watch, daemon=True).start()
 
@@ -240,8 +273,8 @@ def all_reduce_floats(values, op, device):
 
 # ----------------------------------------------------------------------------- 3. data
 def pattern(rank, index, modulus):
-    """What `rank` writes at `index` of its buffer: 1..modulus, different per rank and per index, so a
-    block from the wrong rank or at the wrong offset is caught, which a constant fill would not be."""
+    """What `rank` writes at `index` of its buffer: 1..modulus, different per rank and per index, so
+    a block from the wrong rank or at the wrong offset is caught (a constant fill would hide it)."""
     return (index + 37 * rank) % modulus + 1
 
 
@@ -260,7 +293,8 @@ def expected_values(op, index, rank, world_size, share, modulus):
         return functools.reduce(torch.maximum, (pattern(r, index, modulus) for r in every_rank))
     if op == "all_gather":  # rank r's share lands at r * share
         return pattern(index // share, index % share, modulus)
-    if op == "reduce_scatter":  # this rank keeps the sum over ranks of the elements rank * share + index
+    if op == "reduce_scatter":
+        # this rank keeps the sum over ranks of the elements rank * share + index
         return sum(pattern(r, rank * share + index, modulus) for r in every_rank)
     return pattern(BROADCAST_ROOT, index, modulus)
 
@@ -270,20 +304,22 @@ def count_wrong(result, op, rank, world_size, share, modulus):
     for start in range(0, result.numel(), CHECK_CHUNK):
         index = torch.arange(start, min(start + CHECK_CHUNK, result.numel()), device=result.device)
         expected = expected_values(op, index, rank, world_size, share, modulus)
-        # float64 holds every value of every dtype here exactly; NaN never equals, so it counts as wrong
+        # float64 holds every value here exactly, whatever the dtype; NaN never equals: it is wrong
         wrong += (result[start:start + len(index)].double() != expected.double()).sum()
     return int(wrong)
 
 
 # ----------------------------------------------------------------------------- 4. collectives
-# Conventions of nccl-tests (all_reduce_perf & co, doc/PERFORMANCE.md), so rows compare one to one:
-#   size  = bytes of one rank's largest buffer: the buffer for all_reduce and broadcast, the gathered
-#           output for all_gather, the input that is scattered for reduce_scatter
-#   count = elements of the per-rank count NCCL is called with: the buffer for all_reduce and broadcast,
-#           one rank's share for all_gather and reduce_scatter (size = count x ranks x element size)
-#   algbw = size / time in GB/s (1 GB = 1e9 B); busbw = algbw x bus_factor(), comparable to link speed
-#   time  = mean of the timed iterations on a rank, then the max over ranks (nccl-tests' `-a 3`; its
-#           default `-a 1` averages the ranks, which would hide a slow one)
+# Conventions of nccl-tests (all_reduce_perf & co), so rows compare one to one:
+#   size  = bytes of one rank's largest buffer: the buffer for all_reduce and broadcast, the
+#           gathered output for all_gather, the input that is scattered for reduce_scatter
+#   count = elements of the per-rank count NCCL is called with: the buffer for all_reduce and
+#           broadcast, one rank's share for all_gather and reduce_scatter
+#           (size = count x ranks x element size)
+#   algbw = size / time in GB/s (1 GB = 1e9 B)
+#   busbw = algbw x bus_factor(), comparable to link speed
+#   time  = mean of the timed iterations on a rank, then the max over ranks (nccl-tests' `-a 3`;
+#           its default `-a 1` averages the ranks, which would hide a slow one)
 # nccl-tests also rounds a rank's share down to a multiple of 16 bytes; we don't, which only matters
 # for sizes that are not a multiple of 16 x ranks bytes.
 def bus_factor(op, world_size):
@@ -308,21 +344,23 @@ def element_counts(op, size_bytes, element_size, world_size):
 def bytes_needed(op, size_bytes, element_size, world_size):
     _, input_count, output_count = element_counts(op, size_bytes, element_size, world_size)
     buffers = input_count + (0 if op in IN_PLACE_OPS else output_count)
-    check_scratch = min(max(input_count, output_count), CHECK_CHUNK) * 8 * 4  # int64 index, expected, ...
+    # the check's scratch: int64 index, expected, ...
+    check_scratch = min(max(input_count, output_count), CHECK_CHUNK) * 8 * 4
     return buffers * element_size + check_scratch
 
 
 def make_buffers(op, size_bytes, dtype, device, world_size):
     count, input_count, output_count = element_counts(op, size_bytes, dtype.itemsize, world_size)
     input_buffer = torch.empty(input_count, dtype=dtype, device=device)
-    output_buffer = input_buffer if op in IN_PLACE_OPS else torch.empty(output_count, dtype=dtype, device=device)
+    output_buffer = (input_buffer if op in IN_PLACE_OPS
+                     else torch.empty(output_count, dtype=dtype, device=device))
     return count, input_buffer, output_buffer
 
 
 def refill(input_buffer, output_buffer, rank, modulus):
     fill_pattern(input_buffer, rank, modulus)
     if output_buffer is not input_buffer:
-        output_buffer.fill_(-1)  # an element the collective never writes stays -1, which nothing expects
+        output_buffer.fill_(-1)  # an element the collective never writes stays -1: never expected
 
 
 def run_collective(op, input_buffer, output_buffer):
@@ -339,20 +377,20 @@ def run_collective(op, input_buffer, output_buffer):
 
 
 def time_iterations(run_once, before_last, iters, device):
-    """(mean seconds, seconds of each iteration). before_last() runs untimed before the last iteration."""
+    """(mean seconds, seconds of each iteration); before_last() runs untimed before the last one."""
     if device.type == "cuda":
-        # Mean as nccl-tests takes it: events around the whole batch, nothing between launches, so the
-        # launch rate of small messages is not slowed by the timing itself.
-        batch_start, batch_end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        # Mean as nccl-tests takes it: events around the whole batch, nothing between launches, so
+        # the launch rate of small messages is not slowed by the timing itself.
+        batch_start = torch.cuda.Event(enable_timing=True)
+        batch_end = torch.cuda.Event(enable_timing=True)
         batch_start.record()
         for _ in range(iters):
             run_once()
         batch_end.record()
         batch_end.synchronize()
         mean_s = batch_start.elapsed_time(batch_end) / 1e3 / iters
-        # Percentiles from a second batch with an event pair around each call (on the current stream,
-        # which torch makes wait for the collective). When the host launches slower than the GPU runs
-        # (small messages: torch spends ~40 us a call) the pair also holds launch latency: p50 > mean.
+        # Percentiles from a second batch, an event pair around each call: when the host launches
+        # slower than the GPU runs (small messages), the pair also holds launch latency: p50 > mean.
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
         for i in range(iters):
@@ -387,40 +425,47 @@ def run_row(op, size_bytes, args, device, rank, world_size, modulus, corrupt):
     wrong = check()
     for _ in range(args.warmup):
         run_collective(op, input_buffer, output_buffer)
-    # all_reduce sums in place, so after many iterations the buffer holds huge numbers: refill before the
-    # last one and check that its result is still exact
+    # all_reduce sums in place, so after many iterations the buffer holds huge numbers: refill
+    # before the last one and check that its result is still exact
     mean_s, seconds = time_iterations(lambda: run_collective(op, input_buffer, output_buffer),
-                                      lambda: refill(input_buffer, output_buffer, rank, modulus), args.iters, device)
+                                      lambda: refill(input_buffer, output_buffer, rank, modulus),
+                                      args.iters, device)
     wrong += check()
     beat(f"{op} at {size_bytes} B")
-    percentiles = torch.tensor(seconds).double().quantile(torch.tensor([0.5, 0.95, 0.99]).double()).tolist()
+    quantiles = torch.tensor([0.5, 0.95, 0.99]).double()
+    percentiles = torch.tensor(seconds).double().quantile(quantiles).tolist()
     (wrong,) = all_reduce_floats([wrong], dist.ReduceOp.SUM, device)
-    time_s, p50_s, p95_s, p99_s = all_reduce_floats([mean_s, *percentiles], dist.ReduceOp.MAX, device)
+    time_s, p50_s, p95_s, p99_s = all_reduce_floats([mean_s, *percentiles], dist.ReduceOp.MAX,
+                                                    device)
     size_column = max(input_buffer.numel(), output_buffer.numel()) * dtype.itemsize
     algbw = size_column / time_s / 1e9 if time_s > 0 else 0.0
-    return {"size": size_column, "count": count, "type": args.dtype, "op": op, "time_us": time_s * 1e6,
-            "algbw": algbw, "busbw": algbw * bus_factor(op, world_size), "wrong": int(wrong),
-            "p50_us": p50_s * 1e6, "p95_us": p95_s * 1e6, "p99_us": p99_s * 1e6}
+    return {"size": size_column, "count": count, "type": args.dtype, "op": op,
+            "time_us": time_s * 1e6, "algbw": algbw, "busbw": algbw * bus_factor(op, world_size),
+            "wrong": int(wrong), "p50_us": p50_s * 1e6, "p95_us": p95_s * 1e6,
+            "p99_us": p99_s * 1e6}
 
 
 def check_memory(args, sizes, device, world_size):
-    """Refuse, before allocating, a size that cannot fit: one line instead of an out-of-memory crash."""
+    """Refuse a size that cannot fit, before allocating: one line, not an out-of-memory crash."""
     element_size = DTYPES[args.dtype].itemsize
     needed, op, size = max((bytes_needed(op, size, element_size, world_size), op, size)
                            for op in args.ops for size in sizes)
     if device.type == "cuda":
-        free = torch.cuda.mem_get_info()[0] - (1 << 30)  # NCCL's own buffers and the allocator need some
+        # NCCL's own buffers and the allocator need some
+        free = torch.cuda.mem_get_info()[0] - (1 << 30)
     else:  # the ranks of one host share its memory
         with open("/proc/meminfo") as meminfo:
-            available_kib = next(int(line.split()[1]) for line in meminfo if line.startswith("MemAvailable:"))
+            available_kib = next(int(line.split()[1]) for line in meminfo
+                                 if line.startswith("MemAvailable:"))
         free = available_kib * 1024 // int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     (free,) = all_reduce_floats([free], dist.ReduceOp.MIN, device)
     if needed > free:
-        die(f"{op} of {size} B needs {needed / 2**30:.1f} GiB on each rank but only {max(free, 0) / 2**30:.1f} GiB "
-            "is free on some rank -> pass smaller --sizes or --max-bytes")
+        die(f"{op} of {size} B needs {needed / 2**30:.1f} GiB on each rank but only "
+            f"{max(free, 0) / 2**30:.1f} GiB is free on some rank "
+            "-> pass smaller --sizes or --max-bytes")
 
 
-# ----------------------------------------------------------------------------- 5. model: gradient consistency
+# ------------------------------------------------------------ 5. model: gradient consistency
 def tensors_differ(tensors, device, world_size):
     """(max |difference| to rank 0, elements that differ, per-tensor checksums equal on all ranks),
     the same answer on every rank: each one compares, not only rank 0."""
@@ -431,7 +476,8 @@ def tensors_differ(tensors, device, world_size):
     mine = torch.cat([tensor.detach().reshape(-1).float() for tensor in tensors])
     reference = mine.clone()
     dist.broadcast(reference, src=0)
-    differ = [(mine - reference).abs().max().item(), (mine != reference).sum().item(), float(not checksums_equal)]
+    differ = [(mine - reference).abs().max().item(), (mine != reference).sum().item(),
+              float(not checksums_equal)]
     max_diff, elements, unequal = all_reduce_floats(differ, dist.ReduceOp.MAX, device)
     return max_diff, int(elements), unequal == 0
 
@@ -439,17 +485,19 @@ def tensors_differ(tensors, device, world_size):
 def check_gradients(args, device, rank, world_size):
     beat("gradient check")
     model = args.model.to(device)
-    model.loss_type = "ForCausalLM"  # what transformers 5 picks anyway, but it warns when it has to guess
+    model.loss_type = "ForCausalLM"  # transformers 5 picks it anyway, but warns when it guesses
     ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     # different tokens on each rank: identical gradients then prove DDP's all-reduce, not equal data
     generator = torch.Generator().manual_seed(SEED + rank)
-    tokens = torch.randint(0, args.vocab_size, (SEQUENCES_PER_RANK, SEQ_LEN), generator=generator).to(device)
+    tokens = torch.randint(0, args.vocab_size, (SEQUENCES_PER_RANK, SEQ_LEN),
+                           generator=generator).to(device)
     loss = ddp_model(input_ids=tokens, labels=tokens).loss
     loss.backward()
     params = [param for param in model.parameters() if param.grad is not None]
     if rank == args.inject_grad_corruption:
         params[0].grad.view(-1)[0] += 1.0
-    grad_diff, grad_elements, grad_checksums_equal = tensors_differ([p.grad for p in params], device, world_size)
+    grads = [p.grad for p in params]
+    grad_diff, grad_elements, grad_checksums_equal = tensors_differ(grads, device, world_size)
     torch.optim.AdamW(model.parameters(), lr=1e-3).step()
     param_diff, param_elements, param_checksums_equal = tensors_differ(params, device, world_size)
     losses = torch.empty(world_size, device=device)
@@ -465,10 +513,11 @@ def check_gradients(args, device, rank, world_size):
 # ----------------------------------------------------------------------------- 6. soak
 def run_soak(args, sizes, device, rank, world_size, modulus):
     """Repeat a mix of collectives for --duration s, check every result and keep, per rank, the wall
-    time each collective took: the first rank to arrive waits for the last, so max - min over ranks is
-    how late the last one came (the skew), and the rank that waited least is the straggler."""
+    time each collective took: the first rank to arrive waits for the last, so max - min over ranks
+    is how late the last one came (the skew), and the rank that waited least is the straggler."""
     dtype = DTYPES[args.dtype]
-    mix = [(op, size) for op in args.ops for size in sorted({sizes[0], sizes[len(sizes) // 2], sizes[-1]})
+    mix = [(op, size) for op in args.ops
+           for size in sorted({sizes[0], sizes[len(sizes) // 2], sizes[-1]})
            if element_counts(op, size, dtype.itemsize, world_size)[0] > 0]
     waits, wrong, started = [], 0, time.monotonic()
     while True:
@@ -485,8 +534,8 @@ def run_soak(args, sizes, device, rank, world_size, modulus):
             wrong += count_wrong(output_buffer, op, rank, world_size, count, modulus)
             beat(f"soak: {op} at {size} B")
         # every rank must stop after the same round, or some would wait for ever in a collective
-        time_up, wrong_so_far = all_reduce_floats([time.monotonic() - started >= args.duration, wrong],
-                                                  dist.ReduceOp.SUM, device)
+        time_up, wrong_so_far = all_reduce_floats(
+            [time.monotonic() - started >= args.duration, wrong], dist.ReduceOp.SUM, device)
         if time_up or wrong_so_far:
             break
     every_wait = torch.empty(world_size * len(waits), dtype=torch.float64, device=device)
@@ -512,21 +561,25 @@ def print_header(args, device, world_size):
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     dist.all_gather_object(hosts, f"{socket.gethostname()}: {device_name}")
     nccl = ".".join(map(str, torch.cuda.nccl.version())) if device.type == "cuda" else None
-    run = {"world_size": world_size, "backend": dist.get_backend(), "torch": torch.__version__, "nccl": nccl,
-           "devices": dict(Counter(hosts)), "dtype": args.dtype, "iters": args.iters, "warmup": args.warmup}
+    run = {"world_size": world_size, "backend": dist.get_backend(), "torch": torch.__version__,
+           "nccl": nccl, "devices": dict(Counter(hosts)), "dtype": args.dtype, "iters": args.iters,
+           "warmup": args.warmup}
     if dist.get_rank() == 0:
-        print(f"# stress_test: {world_size} ranks, backend {run['backend']}, torch {torch.__version__}"
-              + (f", NCCL {nccl}" if nccl else "") + f", {args.dtype}, {args.iters} timed iterations "
+        print(f"# stress_test: {world_size} ranks, backend {run['backend']}, "
+              f"torch {torch.__version__}"
+              + (f", NCCL {nccl}" if nccl else "")
+              + f", {args.dtype}, {args.iters} timed iterations "
               f"after {args.warmup} warm-up per row")
         for host_device, ranks in run["devices"].items():
             print(f"#   {ranks} x {host_device}")
-        print("#" + COLUMNS.format("size(B)", "count", "type", "op", "time(us)", "algbw(GB/s)", "busbw(GB/s)",
-                                   "#wrong", "p50(us)", "p95(us)", "p99(us)")[1:], flush=True)
+        print("#" + COLUMNS.format("size(B)", "count", "type", "op", "time(us)", "algbw(GB/s)",
+                                   "busbw(GB/s)", "#wrong", "p50(us)", "p95(us)", "p99(us)")[1:],
+              flush=True)
     return run
 
 
 def check_json_path(path, device):
-    """Rank 0 writes --json at the very end: prove now that it can, so that no run is lost to a typo.
+    """Rank 0 writes --json at the very end: prove now that it can, so no run is lost to a typo.
     Only rank 0 looks (the path is on its host); every rank gets its verdict."""
     problem = ""
     if path and dist.get_rank() == 0:
@@ -540,7 +593,8 @@ def check_json_path(path, device):
                 problem = f"cannot write into {directory}: {error.strerror}"
     (problems,) = all_reduce_floats([1.0 if problem else 0.0], dist.ReduceOp.SUM, device)
     if problems:
-        die(f"--json {path} {problem} -> give a file path in an existing, writable directory (nothing was run)")
+        die(f"--json {path} {problem} -> give a file path in an existing, writable directory "
+            "(nothing was run)")
 
 
 def main():
@@ -549,10 +603,11 @@ def main():
     check_json_path(args.json, device)
     start_watchdog(args.timeout, rank)
     check_memory(args, sizes, device, world_size)
-    modulus = min(1021, EXACT_INTEGER_LIMIT[args.dtype] // world_size)  # values 1..modulus: sums stay exact
+    # values 1..modulus: sums stay exact
+    modulus = min(1021, EXACT_INTEGER_LIMIT[args.dtype] // world_size)
     run = print_header(args, device, world_size)
     for _ in range(int(3 * args.timeout) if rank == args.inject_stall else 0):
-        time.sleep(1)  # stalled but alive: the other ranks' watchdogs must catch it, not this rank's own
+        time.sleep(1)  # stalled but alive: the other ranks' watchdogs must catch it, not its own
         beat("--inject-stall")
     rows, skipped = [], []
     for op in args.ops:
@@ -564,15 +619,18 @@ def main():
                                 corrupt=rank == args.inject_corruption and not rows))
             row = rows[-1]
             if rank == 0:
-                print(COLUMNS.format(size, row["count"], args.dtype, op, *(f"{row[key]:.2f}" for key in
-                      ("time_us", "algbw", "busbw")), row["wrong"], *(f"{row[key]:.2f}" for key in
-                      ("p50_us", "p95_us", "p99_us"))), flush=True)
-    failures = [f"#wrong {row['wrong']} in {row['op']} at {row['size']} B" for row in rows if row["wrong"]]
+                speed = [f"{row[key]:.2f}" for key in ("time_us", "algbw", "busbw")]
+                percentiles = [f"{row[key]:.2f}" for key in ("p50_us", "p95_us", "p99_us")]
+                print(COLUMNS.format(size, row["count"], args.dtype, op, *speed, row["wrong"],
+                                     *percentiles), flush=True)
+    failures = [f"#wrong {row['wrong']} in {row['op']} at {row['size']} B"
+                for row in rows if row["wrong"]]
     if rank == 0:
         if skipped:
             print(f"# skipped, less than one element per rank: {', '.join(skipped)}")
         for op in args.ops:
-            best = max((row for row in rows if row["op"] == op), key=lambda row: row["busbw"], default=None)
+            best = max((row for row in rows if row["op"] == op), key=lambda row: row["busbw"],
+                       default=None)
             if best:
                 print(f"# peak busbw {op}: {best['busbw']:.2f} GB/s at {best['size']} B")
 
@@ -580,20 +638,22 @@ def main():
     if grad and not grad["passed"]:
         failures.append("gradients or parameters differ across ranks")
     if grad and rank == 0:
-        print(f"grad check ({args.model_type}, {grad['parameters']:,} parameters, DDP, one AdamW step): "
-              f"max |grad diff| = {grad['max_grad_diff']:g} across {world_size} ranks "
-              f"({grad['grad_elements_differing']} elements differ), "
-              f"max |param diff| = {grad['max_param_diff']:g} ({grad['param_elements_differing']} differ), "
-              f"per-tensor checksums {'equal' if grad['checksums_equal'] else 'DIFFER'} on every rank: "
+        print(f"grad check ({args.model_type}, {grad['parameters']:,} parameters, DDP, "
+              f"one AdamW step): max |grad diff| = {grad['max_grad_diff']:g} "
+              f"across {world_size} ranks ({grad['grad_elements_differing']} elements differ), "
+              f"max |param diff| = {grad['max_param_diff']:g} "
+              f"({grad['param_elements_differing']} differ), per-tensor checksums "
+              f"{'equal' if grad['checksums_equal'] else 'DIFFER'} on every rank: "
               f"{'PASS' if grad['passed'] else 'FAIL'}")
 
     soak = run_soak(args, sizes, device, rank, world_size, modulus) if args.duration else None
     if soak and soak["wrong"]:
         failures.append(f"#wrong {soak['wrong']} in the soak")
     if soak and rank == 0:
-        print(f"soak: {soak['collectives']} collectives in {soak['seconds']:.1f} s, {soak['wrong']} wrong; "
-              f"arrival skew mean {soak['skew_mean_us']:.1f} us, p99 {soak['skew_p99_us']:.1f} us, "
-              f"max {soak['skew_max_us']:.1f} us; last to arrive most often: rank {soak['straggler_rank']} "
+        print(f"soak: {soak['collectives']} collectives in {soak['seconds']:.1f} s, "
+              f"{soak['wrong']} wrong; arrival skew mean {soak['skew_mean_us']:.1f} us, "
+              f"p99 {soak['skew_p99_us']:.1f} us, max {soak['skew_max_us']:.1f} us; "
+              f"last to arrive most often: rank {soak['straggler_rank']} "
               f"({soak['straggler_share']:.0%} of collectives)")
 
     if rank == 0:
@@ -604,8 +664,9 @@ def main():
         if args.json:  # written beside, then renamed: a crash midway leaves the previous file whole
             partial = f"{args.json}.tmp-{os.getpid()}"
             with open(partial, "w") as out:
-                json.dump({"argv": sys.argv, "run": run, "sizes": sizes, "rows": rows, "grad_check": grad,
-                           "soak": soak, "passed": not failures, "failures": failures}, out, indent=2)
+                json.dump({"argv": sys.argv, "run": run, "sizes": sizes, "rows": rows,
+                           "grad_check": grad, "soak": soak, "passed": not failures,
+                           "failures": failures}, out, indent=2)
             os.replace(partial, args.json)
     dist.destroy_process_group()
     sys.exit(1 if failures else 0)
@@ -614,7 +675,8 @@ def main():
 if __name__ == "__main__":
     try:
         main()
-    except dist.DistError as error:  # a peer vanished or timed out: a clear line, not a C++ backtrace
-        print(f"error: rank {os.environ.get('RANK', 0)}: collective failed: {str(error).splitlines()[0]} "
-              "-> a rank died or hangs, or the network is down; see the other ranks' lines", file=sys.stderr)
+    except dist.DistError as error:  # a peer vanished or timed out: one line, no C++ backtrace
+        print(f"error: rank {os.environ.get('RANK', 0)}: collective failed: "
+              f"{str(error).splitlines()[0]} -> a rank died or hangs, or the network is down; "
+              "see the other ranks' lines", file=sys.stderr)
         os._exit(1)
