@@ -2,34 +2,35 @@
 # launch.sh: check that this machine, the network and the data are ready, then start a script
 # under torchrun. Each check prints "ok" or "FAIL: reason -> fix"; a failed check stops the launch.
 #
-#   bash launch.sh                                  # train_ddp.py, one process per GPU (2 processes on a CPU-only machine)
+#   bash launch.sh                                  # train_ddp.py: a process per GPU, or 2 on CPU
 #   bash launch.sh train_ddp.py train.max_steps=100 # any config.yaml key as key=value
 #   bash launch.sh stress_test.py --sizes 1M,64M    # options go to the script unchanged
 #   bash launch.sh --dry-run                        # print the torchrun command and exit
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 bash launch.sh   # on every node, NODE_RANK 0, 1, ...
-#   srun --ntasks-per-node=1 bash launch.sh         # Slurm: nodes, rank and master come from SLURM_* variables
+#   srun --ntasks-per-node=1 bash launch.sh         # nodes, rank and master from SLURM_* variables
 #
 # Environment: NNODES (1), NODE_RANK (0), MASTER_ADDR (127.0.0.1), MASTER_PORT (29500),
 # NPROC_PER_NODE (visible GPUs, or 2 without GPUs), PYTHON (python3), LAUNCH_DEVICE (auto|cuda|cpu),
-# MASTER_WAIT_S (how long a worker node waits for the master, 120), MIN_FREE_GB (checkpoint disk, 2),
-# MAX_RESTARTS (3: how often torchrun restarts the workers after one of them failed; the trainer then
-# resumes from its newest checkpoint), LOG_DIR (out/logs: every rank's stderr of each attempt goes to
-# LOG_DIR/<date>-node<NODE_RANK>-<pid>/; a node whose workers were restarted only because another node's
-# failed rewrites its attempt_0), and with NNODES > 1: RDZV_ID (the job's id, the same on every
-# node: SLURM_JOB_ID under Slurm, else "none"), LOCAL_ADDR (this node's address as the others reach it;
-# default: the address this node reaches the master from). With NNODES > 1 torchrun numbers the nodes by
-# LOCAL_ADDR, not by NODE_RANK: rank 0, which logs and saves, runs on the node whose address sorts first.
+# MASTER_WAIT_S (how long a worker node waits for the master, 120), MIN_FREE_GB (checkpoint disk,
+# 2), MAX_RESTARTS (3: how often torchrun restarts the workers after one of them failed; the
+# trainer then resumes from its newest checkpoint), LOG_DIR (out/logs: every rank's stderr of each
+# attempt goes to LOG_DIR/<date>-node<NODE_RANK>-<pid>/; a node whose workers were restarted only
+# because another node's failed rewrites its attempt_0), and with NNODES > 1: RDZV_ID (the job's
+# id, the same on every node: SLURM_JOB_ID under Slurm, else "none"), LOCAL_ADDR (this node's
+# address as the others reach it; default: the address this node reaches the master from). With
+# NNODES > 1 torchrun numbers the nodes by LOCAL_ADDR, not by NODE_RANK: rank 0, which logs and
+# saves, runs on the node whose address sorts first.
 #
-# Stopping: SIGTERM or SIGINT to this script is passed to torchrun as one SIGTERM; torchrun sends SIGTERM
-# to every worker and SIGKILLs those still running 30 s later (torch 2.13 reads TORCH_ELASTIC_SHUTDOWN_TIMEOUT
-# instead; older versions may not: it came with pytorch PR #172596); this script exits 143 (130 after SIGINT)
-# once torchrun is gone. torchrun does not restart workers after a signal, whatever MAX_RESTARTS says.
-# (Not SIGINT when this script starts with SIGINT ignored, as background jobs of another script do: bash
-# cannot trap a signal ignored on entry. SIGTERM works there too.)
-# Slurm: `#SBATCH --signal=TERM@120` asks Slurm to send SIGTERM to the job's steps (this script, torchrun
-# and the workers) about 120 s before the time limit (see sbatch(1); unchecked here, no Slurm on our
-# machines). A trainer that checkpoints on SIGTERM needs that lead to cover one checkpoint, and gets at
-# most the 30 s above before torchrun's SIGKILL.
+# Stopping: SIGTERM or SIGINT to this script is passed to torchrun as one SIGTERM; torchrun sends
+# SIGTERM to every worker and SIGKILLs those still running 30 s later (torch 2.13 reads
+# TORCH_ELASTIC_SHUTDOWN_TIMEOUT instead; older versions may not); this script exits 143 (130 after
+# SIGINT) once torchrun is gone. torchrun does not restart workers after a signal, whatever
+# MAX_RESTARTS says. (Not SIGINT when this script starts with SIGINT ignored, as background jobs of
+# another script do: bash cannot trap a signal ignored on entry. SIGTERM works there too.)
+# Slurm: `#SBATCH --signal=TERM@120` asks Slurm to send SIGTERM to the job's steps (this script,
+# torchrun and the workers) about 120 s before the time limit (see sbatch(1)). A trainer that
+# checkpoints on SIGTERM needs that lead to cover one checkpoint, and gets at most the 30 s above
+# before torchrun's SIGKILL.
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -42,12 +43,18 @@ ARGS=()
 for arg in "$@"; do
   case "$arg" in
     --dry-run) DRY_RUN=1 ;;
-    *.py) if [ ${#ARGS[@]} -eq 0 ] && [ "$SCRIPT" = train_ddp.py ]; then SCRIPT=$arg; else ARGS+=("$arg"); fi ;;
+    *.py)
+      if [ ${#ARGS[@]} -eq 0 ] && [ "$SCRIPT" = train_ddp.py ]; then
+        SCRIPT=$arg
+      else
+        ARGS+=("$arg")
+      fi ;;
     *) ARGS+=("$arg") ;;
   esac
 done
 [ -f "$SCRIPT" ] || SCRIPT=$HERE/$(basename "$SCRIPT")
-IS_TRAINER=0  # a trainer gets the config, data and checkpoint checks; any other script is launched as is
+# a trainer gets the config, data and checkpoint checks; any other script is launched as is
+IS_TRAINER=0
 case "$(basename "$SCRIPT")" in train_*.py) IS_TRAINER=1 ;; esac
 
 report() { printf '%-26s %s\n' "$1" "$2"; }
@@ -55,17 +62,18 @@ fail() {  # fail CHECK "reason -> fix"
   report "$1" "FAIL: $2"
   exit 1
 }
-# Digits without a leading zero: bash arithmetic reads "08" as a broken octal number and stops the script.
+# Digits without a leading zero: bash arithmetic reads "08" as a broken octal number and stops
+# the script.
 is_count() { [[ "$1" =~ ^(0|[1-9][0-9]{0,8})$ ]]; }
 
-# ---------------------------------------------------------------- topology: single node, env, or Slurm
+# ------------------------------------------------------------ topology: single node, env, or Slurm
 if [ -n "${SLURM_JOB_ID:-}" ] && [ -z "${NNODES:-}" ]; then
   NNODES=${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}}
   NODE_RANK=${SLURM_NODEID:-0}
   if [ -z "${MASTER_ADDR:-}" ]; then
     command -v scontrol >/dev/null || fail "slurm" "scontrol not found to read the first node of \$SLURM_JOB_NODELIST -> set MASTER_ADDR"
-    # `sed -n 1p` reads to the end; `head -n 1` would leave early, and under pipefail the SIGPIPE this gives
-    # scontrol (exit 141) would end this script without a word.
+    # `sed -n 1p` reads to the end; `head -n 1` would leave early, and under pipefail the SIGPIPE
+    # this gives scontrol (exit 141) would end this script without a word.
     MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)
   fi
 fi
@@ -120,40 +128,43 @@ if [ "$LAUNCH_DEVICE" = cuda ] || [ "$DRIVER_GPUS" -gt 0 ]; then EXPECT_GPUS=1; 
 if [ "$EXPECT_GPUS" = 1 ]; then
   NPROC_PER_NODE=${NPROC_PER_NODE:-$DRIVER_GPUS}
 else
-  NPROC_PER_NODE=${NPROC_PER_NODE:-2}  # two gloo processes: the distributed code paths run on a laptop too
+  # two gloo processes: the distributed code paths run on a laptop too
+  NPROC_PER_NODE=${NPROC_PER_NODE:-2}
 fi
 is_count "$NPROC_PER_NODE" || fail "processes per node" "NPROC_PER_NODE=$NPROC_PER_NODE is not a number -> set NPROC_PER_NODE=1 or more"
 WORLD_SIZE=$((NNODES * NPROC_PER_NODE))
 
-# Each process gets its share of the cores for its OpenMP pool. torchrun alone would give every process
-# one thread when it starts several (torch/distributed/run.py), leaving the other cores of a CPU run idle.
+# Each process gets its share of the cores for its OpenMP pool: torchrun alone would give every
+# process one thread when it starts several, leaving the other cores of a CPU run idle.
 CORES=$(nproc 2>/dev/null || echo 2)
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( NPROC_PER_NODE > 0 && CORES / NPROC_PER_NODE > 0 ? CORES / NPROC_PER_NODE : 1 ))}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$((
+  NPROC_PER_NODE > 0 && CORES / NPROC_PER_NODE > 0 ? CORES / NPROC_PER_NODE : 1 ))}
 if [ "$LAUNCH_DEVICE" = cpu ]; then export CUDA_VISIBLE_DEVICES=""; fi
 
-address_towards_master() {  # the source address of this node's route to the master; empty if there is none
+# the source address of this node's route to the master; empty if there is none
+address_towards_master() {
   "$PYTHON" - "$MASTER_ADDR" "$MASTER_PORT" <<'EOF' 2>/dev/null || true
 import socket, sys
-family, kind, _, _, address = socket.getaddrinfo(sys.argv[1], int(sys.argv[2]), type=socket.SOCK_DGRAM)[0]
+family, kind, _, _, address = socket.getaddrinfo(sys.argv[1], int(sys.argv[2]),
+                                                 type=socket.SOCK_DGRAM)[0]
 with socket.socket(family, kind) as probe:
     probe.connect(address)  # UDP: connect() only picks the route, it sends nothing
     print(probe.getsockname()[0])
 EOF
 }
 
-# --tee 2: every rank's stderr goes to LOG_DIR (for the failure report below) and still to the console,
-# prefixed [default<local rank>]:; stdout, where rank 0 logs, reaches the console untouched.
+# --tee 2: every rank's stderr goes to LOG_DIR (for the failure report below) and still to the
+# console, prefixed [default<local rank>]:; stdout, where rank 0 logs, reaches the console as is.
 RUN_LOG_DIR=$LOG_DIR/$(date +%Y%m%d-%H%M%S)-node$NODE_RANK-$$
 TORCHRUN=("$PYTHON" -m torch.distributed.run --nnodes "$NNODES" --nproc-per-node "$NPROC_PER_NODE"
   --max-restarts "$MAX_RESTARTS" --log-dir "$RUN_LOG_DIR" --tee 2)
 if [ "$NNODES" -gt 1 ]; then
-  # c10d, not the static rendezvous: after a worker fails, torchrun on every node restarts its workers
-  # together (measured: the other node's workers get SIGTERM and start again; only the failed node counts
-  # it in TORCHELASTIC_RESTART_COUNT). Node 0 hosts the rendezvous store on MASTER_PORT; said explicitly
-  # (is_host), because torchrun's own guess compares MASTER_ADDR with this host's name and addresses and
-  # misses secondary interfaces. The nodes are ranked by LOCAL_ADDR as text, not by NODE_RANK, and the
-  # first one's LOCAL_ADDR becomes the workers' MASTER_ADDR; without it, socket.getfqdn(), which was
-  # "localhost" in our two-namespace test and made the other node's workers wait for themselves.
+  # c10d, not the static rendezvous: after a worker fails, torchrun on every node restarts its
+  # workers together.
+  # Node 0 hosts the rendezvous store on MASTER_PORT, said explicitly (is_host): torchrun's guess
+  # compares MASTER_ADDR with this host's names and addresses and misses secondary interfaces.
+  # The nodes are ranked by LOCAL_ADDR as text and the first one's becomes the workers' MASTER_ADDR;
+  # without it torchrun takes socket.getfqdn(), which the other nodes may not reach ("localhost").
   LOCAL_ADDR=${LOCAL_ADDR:-$(address_towards_master)}
   TORCHRUN+=(--rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "$RDZV_ID"
     --rdzv-conf "is_host=$(( NODE_RANK == 0 ))" ${LOCAL_ADDR:+--local-addr "$LOCAL_ADDR"})
@@ -175,11 +186,13 @@ check_script() {
 
 check_python() {
   local version missing
-  version=$("$PYTHON" -c "import torch, sys; print(f'torch {torch.__version__}, Python {sys.version.split()[0]}')" 2>/dev/null) ||
+  version=$("$PYTHON" -c "import torch, sys
+print(f'torch {torch.__version__}, Python {sys.version.split()[0]}')" 2>/dev/null) ||
     fail "python and torch" "'$PYTHON' cannot import torch -> pip install -r $HERE/requirements.txt, or set PYTHON=/path/to/python"
   if [ "$IS_TRAINER" = 1 ]; then
     missing=$("$PYTHON" -c "import importlib.util as u
-print(' '.join(m for m in ['transformers', 'tokenizers', 'pyarrow', 'yaml', 'numpy'] if u.find_spec(m) is None))")
+print(' '.join(m for m in ['transformers', 'tokenizers', 'pyarrow', 'yaml', 'numpy']
+               if u.find_spec(m) is None))")
     [ -z "$missing" ] || fail "python and torch" "'$PYTHON' cannot import $missing -> pip install -r $HERE/requirements.txt"
   fi
   report "python and torch" "ok ($version)"
@@ -188,7 +201,8 @@ print(' '.join(m for m in ['transformers', 'tokenizers', 'pyarrow', 'yaml', 'num
 check_cuda() {
   if [ "$EXPECT_GPUS" = 0 ]; then report "cuda" "ok (no GPU: CPU with gloo)"; return; fi
   local torch_gpus
-  torch_gpus=$("$PYTHON" -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)" 2>/dev/null || echo 0)
+  torch_gpus=$("$PYTHON" -c "import torch
+print(torch.cuda.device_count() if torch.cuda.is_available() else 0)" 2>/dev/null || echo 0)
   [ "$torch_gpus" -gt 0 ] ||
     fail "cuda" "GPUs are expected but torch.cuda.is_available() is False -> install a CUDA build of torch, check CUDA_VISIBLE_DEVICES, or LAUNCH_DEVICE=cpu"
   TORCH_GPUS=$torch_gpus
@@ -243,7 +257,8 @@ check_data() {
 }
 
 check_checkpoint_dir() {
-  if ! { mkdir -p "$CKPT_DIR" && touch "$CKPT_DIR/.write-test" && rm -f "$CKPT_DIR/.write-test"; } 2>/dev/null; then
+  if ! { mkdir -p "$CKPT_DIR" && touch "$CKPT_DIR/.write-test" &&
+         rm -f "$CKPT_DIR/.write-test"; } 2>/dev/null; then
     fail "checkpoint dir" "cannot create or write $CKPT_DIR -> set checkpoint.dir= to a writable directory"
   fi
   local free_gb
@@ -259,7 +274,8 @@ check_master_port_free() {
   problem=$("$PYTHON" - "$MASTER_PORT" <<'EOF' 2>&1
 import socket, sys
 with socket.socket() as s:
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torchrun's store does: TIME_WAIT is no conflict
+    # as torchrun's store does: TIME_WAIT is no conflict
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         s.bind(("", int(sys.argv[1])))
     except OSError as error:
@@ -269,11 +285,8 @@ EOF
   report "master port" "ok ($MASTER_PORT free)"
 }
 
-# A worker node waits for anything to accept connections on the master's port (node 0 may start later),
-# then asks it to act as torch's TCPStore, the server that torchrun's rendezvous runs on node 0. Another
-# service on that port passes a plain connect, and torchrun's own TCPStore client then retries for its
-# whole timeout (60 s with c10d, 900 s with the static rendezvous), or waits for ever if the service never
-# answers (measured: still waiting after 40 s with a 2 s timeout, torch 2.13).
+# Wait for node 0 (it may start later), then ask for a TCPStore: on any other service torchrun's
+# client would retry for its whole timeout (60 s c10d, 900 s static rendezvous), or hang if silent.
 # Exit 1: nothing answered in time; exit 3: something answered, but not a store.
 check_master_reachable() {
   local wait_s=${MASTER_WAIT_S:-120} status=0
@@ -292,11 +305,12 @@ while True:
         time.sleep(1)
 import torch.distributed as dist
 answered = []
-def ask_store():  # wait_for_workers=False: this probe must not count as one of the workers the store waits for
+# wait_for_workers=False: this probe must not count as one of the workers the store waits for
+def ask_store():
     dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=5), wait_for_workers=False)
     answered.append(True)
-# A thread with a deadline: a TCPStore client waits without a time limit for the answer to its first
-# message, so a server that accepts and stays silent would hang it (measured, torch 2.13).
+# A thread with a deadline: a TCPStore client waits without a time limit for the answer to its
+# first message, so a server that accepts and stays silent would hang it.
 asking = threading.Thread(target=ask_store, daemon=True)
 asking.start()
 asking.join(5)
@@ -321,8 +335,8 @@ check_cuda
 check_nccl
 check_processes
 if [ "$IS_TRAINER" = 1 ]; then check_config; fi
-# A worker node waits for the master before it looks at the data: node 0 prepares the default corpus before it
-# opens the rendezvous, so on a filesystem the nodes share, no two nodes build the same directory at once.
+# A worker node waits for the master before it looks at the data: node 0 prepares the default corpus
+# before it opens the rendezvous, so on a shared filesystem no two nodes build it at once.
 if [ "$NODE_RANK" != 0 ]; then check_master_reachable; fi
 if [ "$IS_TRAINER" = 1 ]; then
   check_data
@@ -335,18 +349,16 @@ check_log_dir
 STOPPED_BY=""
 # shellcheck disable=SC2317  # called by the traps below, which shellcheck 0.9 does not follow
 stop_torchrun() {  # trap for SIGTERM and SIGINT
-  # Once: torchrun may get the signal directly too (Ctrl-C reaches the whole process group; under Slurm,
-  # probably Slurm's own, unchecked), and torchrun waits for its workers after two SIGTERMs but exits at
-  # once after a third, leaving them running (measured, torch 2.13). SIGTERM also for SIGINT: torchrun,
-  # a background job, ignores SIGINT until its workers are started (bash ignores SIGINT and SIGQUIT in
-  # the background jobs of a script; torchrun sets its own handlers in PContext.start).
+  # Once: torchrun may get the signal directly too (Ctrl-C reaches the whole process group), and a
+  # third SIGTERM makes it exit at once, leaving its workers running.
+  # SIGTERM also for SIGINT: torchrun, a background job, ignores SIGINT until its workers start.
   [ -n "$STOPPED_BY" ] && return
   STOPPED_BY=$1
   kill -TERM "$TORCHRUN_PID" 2>/dev/null || true
 }
 
-# torchrun's own messages go to a file and, through tail (GNU: --pid), to stderr: its summary of a failure
-# names the rank that failed first, which the report below needs.
+# torchrun's own messages go to a file and, through tail (GNU: --pid), to stderr: its summary of a
+# failure names the rank that failed first, which the report below needs.
 echo "launching: ${TORCHRUN[*]}"
 "${TORCHRUN[@]}" 2>>"$RUN_LOG_DIR/torchrun.log" &
 TORCHRUN_PID=$!
@@ -356,7 +368,8 @@ tail -n +1 -s 0.2 -f --pid="$TORCHRUN_PID" "$RUN_LOG_DIR/torchrun.log" >&2 &
 TAIL_PID=$!
 status=0
 wait "$TORCHRUN_PID" || status=$?
-while kill -0 "$TORCHRUN_PID" 2>/dev/null; do  # a trapped signal ends `wait` early: wait for the exit itself
+# a trapped signal ends `wait` early: wait for the exit itself
+while kill -0 "$TORCHRUN_PID" 2>/dev/null; do
   status=0
   wait "$TORCHRUN_PID" || status=$?
 done
@@ -370,18 +383,22 @@ last_attempt_dir() {  # LOG_DIR/<date>-node<rank>-<pid>/<rendezvous id>_<random>
   echo "$run_dir/attempt_$attempt"
 }
 
-report_failure() {  # what failed, from torchrun's summary ("Root Cause") and the ranks' stderr files
+# what failed, from torchrun's summary ("Root Cause") and the ranks' stderr files
+report_failure() {
   local attempt_dir rank local_rank exit_code stderr_file file error_line=""
   attempt_dir=$(last_attempt_dir)
-  read -r rank local_rank < <(sed -n '/Root Cause/,$ s/^ *rank *: \([0-9]*\) (local_rank: \([0-9]*\)).*/\1 \2/p' \
+  read -r rank local_rank < <(sed -n \
+    '/Root Cause/,$ s/^ *rank *: \([0-9]*\) (local_rank: \([0-9]*\)).*/\1 \2/p' \
     "$RUN_LOG_DIR/torchrun.log" | sed -n 1p) || true
-  exit_code=$(sed -n '/Root Cause/,$ s/^ *exitcode *: \([^ ]*\).*/\1/p' "$RUN_LOG_DIR/torchrun.log" | sed -n 1p)
+  exit_code=$(sed -n '/Root Cause/,$ s/^ *exitcode *: \([^ ]*\).*/\1/p' \
+    "$RUN_LOG_DIR/torchrun.log" | sed -n 1p)
   if [ -z "${local_rank:-}" ] || [ -z "$attempt_dir" ]; then
     echo "FAIL: torchrun exited with status $status before any worker failed -> its messages above say why (also in $RUN_LOG_DIR/torchrun.log)" >&2
     return
   fi
   stderr_file=$attempt_dir/$local_rank/stderr.log
-  # the rank that failed first may have said why; if not, maybe another one did (the trainer's errors come from rank 0)
+  # the rank that failed first may have said why; if not, maybe another one did (the trainer's
+  # errors come from rank 0)
   for file in "$stderr_file" "$attempt_dir"/*/stderr.log; do
     error_line=$(grep -m1 '^error:' "$file" 2>/dev/null || true)
     [ -n "$error_line" ] && break
