@@ -2482,7 +2482,7 @@ def test_bench_compares_every_masked_lm_side_with_ours_and_scales_by_steps_per_s
     assert "| bert_1gpu | 1 |" not in summary  # not in the table against nanoGPT
 
 
-
+def test_bench_flops_per_token_counts_what_the_trainer_counts():
     """The nanoGPT MFU in the bench uses the trainer's count: same matmul parameters, causal attention."""
     from transformers import AutoModelForCausalLM, GPT2Config
     bench = load_bench()
