@@ -2427,7 +2427,7 @@ def test_bench_reads_nanogpt_and_our_logs_over_the_same_window_and_writes_one_ro
     assert bench.CONFIG_SIDES["metrics_off"] == [o.replace("true", "false").replace("{prometheus_port}", "0")
                                                  for o in bench.CONFIG_SIDES["metrics_on"]]  # the same three knobs
     assert "| shapeA_1gpu | 1 |" in bench.summary_markdown(stage_records, list(rows.values()))
-    # ours at config.yaml's micro-batch (32) against nanoGPT at the issue's 16 and at 32, same call
+    # ours at config.yaml's micro-batch (32) against nanoGPT at 16 (the shape comparisons') and 32
     micro = [{**common, "stage": "shapeA_1gpu", "side": side, "gpus": 1, "command": side, "tokens_per_sec": tps}
              for side, tps in [("config:micro32", 600.0), ("nanogpt", 500.0), ("nanogpt_micro32", 540.0)]]
     rows = {row["metric"]: row for row in bench.figures(micro)}
@@ -2494,7 +2494,7 @@ def test_bench_flops_per_token_counts_what_the_trainer_counts():
 
 
 def test_bench_two_nodes_compares_sockets_with_nvlink_and_says_what_bf16_wins_back():
-    """Issue 12's figures from made-up records: step times (65,536 tokens per step) 60 ms over NVLink, 160 ms
+    """The two-node figures from made-up records: step times (65,536 tokens per step) 60 ms over NVLink, 160 ms
     over sockets, 110 ms with bf16 gradients; the all-reduce at 4 GB/s busbw predicts the sockets' cost."""
     bench = load_bench()
     envs = bench.launch_envs("two_nodes:ours", {"gpus": 2, "env": {"NCCL_DEBUG": "INFO"}}, False, 29700)
