@@ -4,6 +4,7 @@
     python3 bench/bench.py --stages shapeA_1gpu,hf_trainer  # some stages: the work over calls
     python3 bench/bench.py --stages metrics_cost_shapeA_1gpu  # the metrics on vs off
     python3 bench/bench.py --stages two_nodes_shapeA_2gpu   # 2 GPUs as 2 nodes: sockets vs NVLink
+    python3 bench/bench.py --stages reference_shapeA_1gpu   # ours vs train_ddp.py of 850740a
     python3 bench/bench.py --tiny                           # CPU plumbing check: tiny, fp32
     python3 bench/bench.py --record DIR [DIR ...]           # add earlier calls' results to bench/
 
@@ -67,6 +68,7 @@ BERT_BATCH = {"seq_len": 512, "micro_batch_size": 32, "global_batch_size": 256} 
 # (compile, allocator warm-up). The window (skip_steps, steps] is the same for every side of a
 # stage, sized for 20-30 s of steady state on an H200. timeout_s holds for each side on its own; a
 # side of shape A takes 1-2 minutes in all, one of shape B about 3, mostly start-up and compiling.
+# budget_s (GPU calls): the stage's sides together; each side's timeout is cut to what is left.
 STAGES = {
     # config:micro32: ours with micro-batches of 32, the same global batch; nanogpt_micro32: nanoGPT
     # the same (its --batch_size=32, half the accumulation steps)
@@ -186,6 +188,21 @@ STAGES = {
                                "extra": ["model.tie_word_embeddings=false",
                                          "model.embedding_gpu_rows=32768"],
                                "tiny": {"vocab_size": 50_000}},
+    # the trainer ("ours") against train_ddp.py of commit 850740a (variant:reference), one GPU, the
+    # trainer's default micro-batches of 32; variant:reference_same_step is that code reading each
+    # step's verdict in the same step, not during the next (VARIANTS)
+    "reference_shapeA_1gpu": {"sides": ["variant:reference", "variant:reference_same_step", "ours"],
+                              "shape": "A", "gpus": 1, "steps": 150, "skip_steps": 20,
+                              "log_every": 10, "timeout_s": 160, "batch": {"micro_batch_size": 32}},
+    # a side of shape B takes about 3 minutes, the first (empty compile caches) the longest
+    "reference_shapeB_1gpu": {"sides": ["variant:reference", "variant:reference_same_step", "ours"],
+                              "shape": "B", "gpus": 1, "steps": 30, "skip_steps": 10,
+                              "log_every": 5, "timeout_s": 240, "budget_s": 500,
+                              "batch": {"micro_batch_size": 32}},
+    "reference_bert_1gpu": {"sides": ["variant:reference", "ours"], "shape": "A", "gpus": 1,
+                            "steps": 70, "skip_steps": 20, "log_every": 10, "timeout_s": 210,
+                            "mlm": True, "batch": {**BERT_BATCH, "micro_batch_size": 64},
+                            "extra": ["model.type=bert"]},
 }
 # the tiered run with the allocator's expandable segments: the number of cold rows a step holds
 # varies, so its GPU tensors change size at every step, which can fragment the cache
@@ -243,13 +260,25 @@ VARIANTS = {
                             ("def main():\n", "def main():\n"
                              "    torch._dynamo.config.automatic_dynamic_shapes = False\n"
                              "    torch._dynamo.config.recompile_limit = 64\n")],
+    # each step's verdict read in that step: the host waits there for the GPU to finish the step
+    "reference_same_step": [("        verdicts.defer(step + 1, verdict, step_label_tokens)\n",
+                             "        verdicts.defer(step + 1, verdict, step_label_tokens)\n"
+                             "        verdicts.settle()\n")],
 }
 # Variants kept whole, outside the repository (.baselines/ is ignored by git): a folder holding a
-# train_ddp.py and its config.yaml. at_47acc78, the trainer of commit 47acc78, is made by
+# train_ddp.py and its config.yaml, made from a commit by
 #   mkdir -p .baselines/at_47acc78 &&
 #   git show 47acc78:train_ddp.py > .baselines/at_47acc78/train_ddp.py &&
 #   git show 47acc78:config.yaml > .baselines/at_47acc78/config.yaml
-VARIANT_FILES = {"at_47acc78": REPO / ".baselines" / "at_47acc78"}
+# and for reference (REFERENCE_COMMIT)
+#   mkdir -p .baselines/reference &&
+#   git show 850740a:train_ddp.py > .baselines/reference/train_ddp.py &&
+#   git show 850740a:config.yaml > .baselines/reference/config.yaml
+REFERENCE_COMMIT = "850740a"  # the previous trainer, which a rewritten one is timed against
+VARIANT_FILES = {"at_47acc78": REPO / ".baselines" / "at_47acc78",
+                 "reference": REPO / ".baselines" / "reference"}
+# the VARIANT_FILES folder a variant's replacements are made in; others: the repository's trainer
+VARIANT_BASES = {"reference_same_step": "reference"}
 
 # Sides "config:NAME" (a "#N" after the name only tells repeats apart): train_ddp.py with these
 # overrides added. {prometheus_port}: the side's own port (MASTER_PORT + 5: two bench processes on
@@ -540,22 +569,32 @@ def device_env(gpus, tiny):
 # ----------------------------------------------------------------------------- 5. the sides
 
 def variant_script(name):
-    """Write train_ddp.py with VARIANTS[name]'s replacements (and config.yaml beside it); return its
-    path. A VARIANT_FILES variant is read where it lies."""
+    """The path of variant `name`'s train_ddp.py, with its config.yaml beside it. A VARIANT_FILES
+    variant is read where it lies; a VARIANTS one is written: its base (VARIANT_BASES, else the
+    repository's trainer) with the replacements made."""
     if name in VARIANT_FILES:
-        if not (VARIANT_FILES[name] / "train_ddp.py").is_file():
-            raise FileNotFoundError(f"{VARIANT_FILES[name]}/train_ddp.py (see VARIANT_FILES)")
-        return VARIANT_FILES[name] / "train_ddp.py"
-    text = (REPO / "train_ddp.py").read_text()
+        return variant_folder(name) / "train_ddp.py"
+    base = variant_folder(VARIANT_BASES[name]) if name in VARIANT_BASES else REPO
+    text = (base / "train_ddp.py").read_text()
     for old, new in VARIANTS[name]:
         if old not in text:
-            raise ValueError(f"variant {name}: {old[:60]!r} is no longer in train_ddp.py")
+            raise ValueError(f"variant {name}: {old[:60]!r} is no longer in "
+                             f"{base / 'train_ddp.py'}")
         text = text.replace(old, new)
     directory = WORK_DIR / "variants" / name
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.yaml").write_text((REPO / "config.yaml").read_text())
+    (directory / "config.yaml").write_text((base / "config.yaml").read_text())
     (directory / "train_ddp.py").write_text(text)
     return directory / "train_ddp.py"
+
+
+def variant_folder(name):
+    folder = VARIANT_FILES[name]
+    missing = [file for file in ["train_ddp.py", "config.yaml"] if not (folder / file).is_file()]
+    if missing:
+        raise FileNotFoundError(f"{folder} has no {' or '.join(missing)} -> make it as the comment "
+                                "above VARIANT_FILES in bench/bench.py says")
+    return folder
 
 
 def launch_envs(side, stage, tiny, port):
@@ -1249,7 +1288,38 @@ def figures(stage_records):
             over_veth.get("command"), over_lo.get("command"), over_veth,
             f"each node in its own network namespace, NCCL via {transports_text(over_veth)}"
             + ("; the baseline ran on another day" if other_day else ""))
+    reference_figures(by_stage, row)
     return rows
+
+
+def reference_figures(by_stage, row):
+    """On one GPU: ours against train_ddp.py of REFERENCE_COMMIT, and on that code each step's
+    verdict read during the next step (as it is there) against read in the same step."""
+    for stage_name, prefix in [("reference_shapeA_1gpu", "shapeA_1gpu"),
+                               ("reference_shapeB_1gpu", "shapeB_1gpu"),
+                               ("reference_bert_1gpu", "bert_1gpu")]:
+        sides = by_stage.get(stage_name, {})
+        ours, reference = sides.get("ours"), sides.get("variant:reference")
+        same_step = sides.get("variant:reference_same_step")
+        if ours:
+            reference = reference or {}
+            row(f"{prefix}_vs_{REFERENCE_COMMIT}_tokens_per_sec", ours.get("tokens_per_sec"),
+                "tokens/s", f"train_ddp.py of commit {REFERENCE_COMMIT} (variant:reference), same "
+                "shape, same call", reference.get("tokens_per_sec"), ours.get("command"),
+                reference.get("command"), ours, losses(ours, reference))
+        if reference and same_step:
+            row(f"verdict_late_vs_same_step_{prefix}_tokens_per_sec",
+                reference.get("tokens_per_sec"),
+                f"tokens/s (train_ddp.py of commit {REFERENCE_COMMIT}: each step's verdict read "
+                "during the next step)", "the same code reading it in the same step "
+                "(variant:reference_same_step), same call", same_step.get("tokens_per_sec"),
+                reference.get("command"), same_step.get("command"), reference,
+                losses(reference, same_step))
+
+
+def is_reference_row(row):
+    return (f"_vs_{REFERENCE_COMMIT}_" in row["metric"]
+            or row["metric"].startswith("verdict_late_vs_same_step_"))
 
 
 def reducer_figures(by_stage, row):
@@ -1470,8 +1540,12 @@ def summary_markdown(stage_records, rows):
                        if row["metric"].startswith(("shapeA_2gpu_ours_", "shapeB_2gpu_ours_"))],
                       lambda row: 1)
     lines += row_list("Masked LM, BERT-base at seq_len 512",
-                      [row for row in rows if row["metric"].startswith("bert_")],
+                      [row for row in rows
+                       if row["metric"].startswith("bert_") and not is_reference_row(row)],
                       lambda row: 3 if row["value"] and row["value"] < 10 else 0)
+    lines += row_list(f"Against train_ddp.py of commit {REFERENCE_COMMIT}, and its verdict read a "
+                      "step late vs in the same step, 1 GPU",
+                      [row for row in rows if is_reference_row(row)], lambda row: 0)
     lines += row_list("Two nodes of one GPU each over NCCL's socket transport (bench.py "
                       "TWO_NODE_ENV)",
                       [row for row in rows if row["metric"].startswith("two_nodes_")],
@@ -1683,23 +1757,34 @@ def run_stage(stage_name, tiny, machine, timeout_s, port, log, keep):
         return [keep({**base, "side": side, "status": f"skipped: {machine['gpus']} GPUs visible"})
                 for side in stage["sides"]]
     records = []
+    budget_s = None if tiny else stage.get("budget_s")  # the sides together
+    deadline = time.perf_counter() + budget_s if budget_s else None
     for index, side in enumerate(stage["sides"]):
         if ONLY_SIDES and side not in ONLY_SIDES:
             continue
+        timeout = stage["timeout_s"]
+        if deadline is not None:
+            timeout = min(timeout, int(deadline - time.perf_counter()))
+        if timeout <= 0:
+            status = f"skipped: the stage's budget_s of {budget_s} s is spent"
+            log(f"=== {stage_name} / {side}: {status}")
+            records.append(keep({**base, "side": side, "status": status}))
+            continue
         log(f"=== {stage_name} / {side}: {stage['steps']} steps, window after step "
-            f"{stage['skip_steps']}, timeout {stage['timeout_s']}s")
-        side_port = port + index
+            f"{stage['skip_steps']}, timeout {timeout}s")
+        side_stage, side_port = {**stage, "timeout_s": timeout}, port + index
         try:
             base_side = side.split(":", 1)[1] if side.startswith(("two_nodes:", "netns:")) else side
             problem = make_two_hosts() if side.startswith("netns:") else None
+            arguments = (stage_name, side_stage, shape, batch, tiny, side_port, log)
             if problem:
                 record = {"status": f"skipped: cannot make network namespaces ({problem})"}
             elif base_side.startswith(("variant:", "config:", "ours")):
-                record = run_ours(stage_name, stage, shape, batch, tiny, side_port, log, side)
+                record = run_ours(*arguments, side)
             elif base_side == "stress":
-                record = run_stress(stage_name, stage, shape, batch, tiny, side_port, log, side)
+                record = run_stress(*arguments, side)
             else:
-                record = SIDE_RUNNERS[side](stage_name, stage, shape, batch, tiny, side_port, log)
+                record = SIDE_RUNNERS[side](*arguments)
         except Exception as error:  # one broken side must not cost the figures of the others
             record = {"status": f"error: {type(error).__name__}: {error}"}
         finally:
