@@ -2427,7 +2427,7 @@ def test_bench_reads_nanogpt_and_our_logs_over_the_same_window_and_writes_one_ro
     assert bench.CONFIG_SIDES["metrics_off"] == [o.replace("true", "false").replace("{prometheus_port}", "0")
                                                  for o in bench.CONFIG_SIDES["metrics_on"]]  # the same three knobs
     assert "| shapeA_1gpu | 1 |" in bench.summary_markdown(stage_records, list(rows.values()))
-    # ours at config.yaml's micro-batch (32) against nanoGPT at the issue's 16 and at 32, same call
+    # ours at config.yaml's micro-batch (32) against nanoGPT at 16 (the shape comparisons') and 32
     micro = [{**common, "stage": "shapeA_1gpu", "side": side, "gpus": 1, "command": side, "tokens_per_sec": tps}
              for side, tps in [("config:micro32", 600.0), ("nanogpt", 500.0), ("nanogpt_micro32", 540.0)]]
     rows = {row["metric"]: row for row in bench.figures(micro)}
@@ -2482,7 +2482,7 @@ def test_bench_compares_every_masked_lm_side_with_ours_and_scales_by_steps_per_s
     assert "| bert_1gpu | 1 |" not in summary  # not in the table against nanoGPT
 
 
-
+def test_bench_flops_per_token_counts_what_the_trainer_counts():
     """The nanoGPT MFU in the bench uses the trainer's count: same matmul parameters, causal attention."""
     from transformers import AutoModelForCausalLM, GPT2Config
     bench = load_bench()
@@ -2494,7 +2494,7 @@ def test_bench_compares_every_masked_lm_side_with_ours_and_scales_by_steps_per_s
 
 
 def test_bench_two_nodes_compares_sockets_with_nvlink_and_says_what_bf16_wins_back():
-    """Issue 12's figures from made-up records: step times (65,536 tokens per step) 60 ms over NVLink, 160 ms
+    """The two-node figures from made-up records: step times (65,536 tokens per step) 60 ms over NVLink, 160 ms
     over sockets, 110 ms with bf16 gradients; the all-reduce at 4 GB/s busbw predicts the sockets' cost."""
     bench = load_bench()
     envs = bench.launch_envs("two_nodes:ours", {"gpus": 2, "env": {"NCCL_DEBUG": "INFO"}}, False, 29700)
@@ -2538,3 +2538,96 @@ def test_bench_stops_the_other_nodes_when_one_fails(monkeypatch):
     status, outputs, _ = bench.run_processes(command, REPO, [{"NODE_RANK": "0"}, {"NODE_RANK": "1"}], 100,
                                              lambda line: None)
     assert status == "failed (node 0: exit 3, node 1: exit -15)" and outputs[1] == "waiting\n"  # SIGTERM, not the end
+
+
+def test_bench_times_ours_against_the_reference_commit_and_the_late_verdict_against_the_same_step():
+    """Made-up tokens/s, a different one per side, so that a row built from the wrong two sides
+    shows in its ratio."""
+    bench = load_bench()
+    commit = bench.REFERENCE_COMMIT
+    common = {"date": "2026-12-01", "machine": "1 × GPU", "tiny": False}
+    tokens_per_sec = {("reference_shapeA_1gpu", "variant:reference"): 500.0,
+                      ("reference_shapeA_1gpu", "variant:reference_same_step"): 400.0,
+                      ("reference_shapeA_1gpu", "ours"): 600.0,
+                      ("reference_shapeB_1gpu", "variant:reference"): 90.0,
+                      ("reference_shapeB_1gpu", "variant:reference_same_step"): 60.0,
+                      ("reference_shapeB_1gpu", "ours"): 120.0,
+                      ("reference_bert_1gpu", "variant:reference"): 300.0,
+                      ("reference_bert_1gpu", "ours"): 330.0,
+                      ("shapeA_1gpu", "ours"): 999.0}  # another stage's ours: not a side of these
+    stage_records = [{**common, "stage": stage, "side": side, "command": f"{stage} {side}",
+                      "tokens_per_sec": tps} for (stage, side), tps in tokens_per_sec.items()]
+    rows = {row["metric"]: row for row in bench.figures(stage_records)}
+    expected = {  # metric: (stage, value side, baseline side)
+        f"shapeA_1gpu_vs_{commit}_tokens_per_sec": ("reference_shapeA_1gpu", "ours",
+                                                    "variant:reference"),
+        f"shapeB_1gpu_vs_{commit}_tokens_per_sec": ("reference_shapeB_1gpu", "ours",
+                                                    "variant:reference"),
+        f"bert_1gpu_vs_{commit}_tokens_per_sec": ("reference_bert_1gpu", "ours",
+                                                  "variant:reference"),
+        "verdict_late_vs_same_step_shapeA_1gpu_tokens_per_sec": (
+            "reference_shapeA_1gpu", "variant:reference", "variant:reference_same_step"),
+        "verdict_late_vs_same_step_shapeB_1gpu_tokens_per_sec": (
+            "reference_shapeB_1gpu", "variant:reference", "variant:reference_same_step"),
+    }
+    assert "verdict_late_vs_same_step_bert_1gpu_tokens_per_sec" not in rows  # BERT has no such side
+    for metric, (stage, side, baseline) in expected.items():
+        row = rows[metric]
+        value, baseline_value = tokens_per_sec[stage, side], tokens_per_sec[stage, baseline]
+        assert (row["value"], row["baseline_value"]) == (value, baseline_value), metric
+        assert row["ratio"] == pytest.approx(value / baseline_value), metric
+        assert row["command"] == f"{stage} {side}"
+        assert row["baseline_command"] == f"{stage} {baseline}"
+    summary = bench.summary_markdown(stage_records, list(rows.values()))
+    listed = summary.split(f"Against train_ddp.py of commit {commit}")[1].split("Commands")[0]
+    assert all(f"- {metric}: " in listed for metric in expected)
+    assert f"bert_1gpu_vs_{commit}" not in summary.split("Masked LM")[-1].split("Against")[0]
+    batch = bench.stage_settings("reference_shapeA_1gpu", tiny=False)[2]
+    assert batch["micro_batch_size"] == 32  # the trainer's default, not BATCH's 16
+
+
+def test_bench_variant_made_from_a_kept_folder_replaces_its_text_or_says_what_no_longer_matches(
+        tmp_path, monkeypatch):
+    bench = load_bench()
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    old, new = bench.VARIANTS["reference_same_step"][0]
+    (reference / "train_ddp.py").write_text("def main():\n    step = 0\n" + old + "    step += 1\n")
+    (reference / "config.yaml").write_text("train:\n  seed: 7\n")
+    monkeypatch.setitem(bench.VARIANT_FILES, "reference", reference)
+    monkeypatch.setattr(bench, "WORK_DIR", tmp_path / "work")
+    assert bench.variant_script("reference") == reference / "train_ddp.py"  # used where it lies
+    script = bench.variant_script("reference_same_step")
+    assert script.read_text() == "def main():\n    step = 0\n" + new + "    step += 1\n"
+    assert new == old + "        verdicts.settle()\n"
+    assert (script.parent / "config.yaml").read_text() == "train:\n  seed: 7\n"  # the base's config
+    (reference / "train_ddp.py").write_text("def main():\n    pass\n")  # the line is gone
+    with pytest.raises(ValueError, match=r"reference_same_step: .* no longer in .*/reference/"):
+        bench.variant_script("reference_same_step")
+    monkeypatch.setitem(bench.VARIANT_FILES, "reference", tmp_path / "missing")
+    with pytest.raises(FileNotFoundError, match="comment above VARIANT_FILES"):
+        bench.variant_script("reference_same_step")
+
+
+def test_bench_stage_budget_cuts_the_later_sides_timeouts_and_skips_a_side_it_has_no_time_for(
+        monkeypatch):
+    """budget_s bounds a stage's sides together (a call of the GPU machine has 10 minutes)."""
+    bench = load_bench()
+    clock, timeouts = [1000.0], []
+
+    def side_taking_300_s(stage_name, stage, *args):
+        timeouts.append(stage["timeout_s"])
+        clock[0] += 300
+        return {"status": "ok"}
+
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(bench, "run_ours", side_taking_300_s)
+    monkeypatch.setitem(bench.STAGES, "budget_check", {
+        "sides": ["ours", "variant:a", "variant:b"], "shape": "A", "gpus": 1, "steps": 10,
+        "skip_steps": 2, "log_every": 2, "timeout_s": 240, "budget_s": 500})
+    machine = {"date": "2026-12-01", "gpus": 1, "peak_flops": None}
+    records = bench.run_stage("budget_check", False, machine, 0, 29700, lambda line: None,
+                              lambda record: record)
+    assert timeouts == [240, 200]  # the second side gets what is left of the 500 s
+    assert [r["status"] for r in records] == ["ok", "ok",
+                                              "skipped: the stage's budget_s of 500 s is spent"]

@@ -1,10 +1,11 @@
-"""Throughput of preprocess.py's tokenize stage vs. the obvious loop that calls `tokenizer.encode` per document.
+"""Throughput of preprocess.py's tokenize stage vs. a loop calling `tokenizer.encode` per document.
 
 Run (from the repo root, after `python preprocess.py` has trained data/stdlib/tokenizer.json):
     python bench/bench_preprocess.py
-Both sides read the same default corpus (the standard library's *.py files) from disk in the same process;
-the loop only counts tokens, while the pipeline also builds the Arrow rows and writes the shards. Rounds
-alternate so that a machine busy with something else slows both alike; the best round of each is reported.
+Both sides read the same default corpus (the standard library's *.py files) from disk in the same
+process; the loop only counts tokens, while the pipeline also builds the Arrow rows and writes the
+shards. Rounds alternate so that a machine busy with something else slows both alike; the best
+round of each is reported.
 """
 import argparse
 import os
@@ -18,13 +19,14 @@ from pathlib import Path
 import tokenizers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import preprocess  # noqa: E402  (the repo root is not on sys.path when run as bench/bench_preprocess.py)
+import preprocess  # noqa: E402  (the repo root is not on sys.path for bench/bench_preprocess.py)
 
 
 def per_document_loop(tokenizer, sources):
     text_bytes = tokens = 0
     for _, text, document_bytes in preprocess.iter_documents(sources, "text", "text", Counter()):
-        tokens += len(tokenizer.encode(text, add_special_tokens=False).ids) + 1  # + eot, as the pipeline stores
+        # + eot, as the pipeline stores
+        tokens += len(tokenizer.encode(text, add_special_tokens=False).ids) + 1
         text_bytes += document_bytes
     return text_bytes, tokens
 
@@ -53,7 +55,8 @@ def main():
     best = {}
     for round_index in range(args.rounds):
         speeds = []
-        for name, run in (("per-document encode loop", per_document_loop), ("preprocess.write_shards", pipeline)):
+        for name, run in (("per-document encode loop", per_document_loop),
+                          ("preprocess.write_shards", pipeline)):
             start = time.perf_counter()
             text_bytes, tokens = run(tokenizer, sources)
             seconds = time.perf_counter() - start
@@ -64,13 +67,14 @@ def main():
               f"{speeds[1] / speeds[0]:.2f}x", file=sys.stderr)
 
     baseline_seconds = best["per-document encode loop"][2]
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()  # taskset-aware
-    print(f"{len(sources)} files of the Python {platform.python_version()} standard library; best of {args.rounds} "
-          f"rounds; {cpus} CPUs; tokenizers {tokenizers.__version__}")
+    # taskset-aware
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    print(f"{len(sources)} files of the Python {platform.python_version()} standard library; best "
+          f"of {args.rounds} rounds; {cpus} CPUs; tokenizers {tokenizers.__version__}")
     print(f"{'method':<26} {'MB':>6} {'tokens':>11} {'seconds':>8} {'MB/s':>6} {'vs loop':>8}")
     for name, (text_bytes, tokens, seconds) in best.items():
-        print(f"{name:<26} {text_bytes / 1e6:6.1f} {tokens:11,} {seconds:8.2f} {text_bytes / 1e6 / seconds:6.2f} "
-              f"{baseline_seconds / seconds:7.2f}x")
+        print(f"{name:<26} {text_bytes / 1e6:6.1f} {tokens:11,} {seconds:8.2f} "
+              f"{text_bytes / 1e6 / seconds:6.2f} {baseline_seconds / seconds:7.2f}x")
 
 
 if __name__ == "__main__":

@@ -13,11 +13,14 @@ export PYTHONUNBUFFERED=1
   date -u +"%Y-%m-%d %H:%M UTC"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   nvidia-smi topo -m 2>/dev/null | head -n 4
-  python3 -c "import torch, transformers, tokenizers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version(), 'transformers', transformers.__version__, 'tokenizers', tokenizers.__version__)"
+  python3 -c "import torch, transformers, tokenizers
+print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version(),
+      'transformers', transformers.__version__, 'tokenizers', tokenizers.__version__)"
   echo "cores: $(nproc)"
 } 2>&1 | tee "$OUT/env.txt"
 
-# 1. preprocessing: the default corpus end to end, then the tokenize stage against a per-document loop
+# 1. preprocessing: the default corpus end to end, then the tokenize stage against a per-document
+# loop
 timeout 120 python3 preprocess.py --force 2>&1 | tee "$OUT/preprocess.log"
 timeout 90 python3 bench/bench_preprocess.py --rounds 2 2>&1 | tee "$OUT/bench_preprocess.log"
 
@@ -26,14 +29,17 @@ GPUS=$(nvidia-smi -L | grep -c '^GPU')
 for n in 1 2; do
   [ "$n" -le "$GPUS" ] || continue
   rm -rf "out/bench_gpu$n"
-  CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((n - 1))) NPROC_PER_NODE=$n MASTER_PORT=$((29500 + n)) timeout 240 \
-    bash launch.sh train_ddp.py out_dir="out/bench_gpu$n" checkpoint.dir="out/bench_gpu$n/ckpt" "$@" 2>&1 |
+  CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((n - 1))) NPROC_PER_NODE=$n MASTER_PORT=$((29500 + n)) \
+    timeout 240 bash launch.sh train_ddp.py out_dir="out/bench_gpu$n" \
+    checkpoint.dir="out/bench_gpu$n/ckpt" "$@" 2>&1 |
     tee "$OUT/train_gpu$n.log"
-  if ! grep -q '"kind": "train"' "out/bench_gpu$n/metrics.jsonl" 2>/dev/null; then  # keep some figure: eager mode
+  # keep some figure: eager mode
+  if ! grep -q '"kind": "train"' "out/bench_gpu$n/metrics.jsonl" 2>/dev/null; then
     echo "run on $n GPUs failed; again with train.compile=false" | tee -a "$OUT/train_gpu$n.log"
     rm -rf "out/bench_gpu$n"
-    CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((n - 1))) NPROC_PER_NODE=$n MASTER_PORT=$((29510 + n)) timeout 180 \
-      bash launch.sh train_ddp.py out_dir="out/bench_gpu$n" checkpoint.dir="out/bench_gpu$n/ckpt" train.compile=false "$@" 2>&1 |
+    CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((n - 1))) NPROC_PER_NODE=$n MASTER_PORT=$((29510 + n)) \
+      timeout 180 bash launch.sh train_ddp.py out_dir="out/bench_gpu$n" \
+      checkpoint.dir="out/bench_gpu$n/ckpt" train.compile=false "$@" 2>&1 |
       tee -a "$OUT/train_gpu$n.log"
   fi
   cp "out/bench_gpu$n/metrics.jsonl" "$OUT/metrics_gpu$n.jsonl"
@@ -45,7 +51,8 @@ timeout 120 bash launch.sh stress_test.py --json "$OUT/stress.json" 2>&1 | tee "
 python3 - "$OUT" <<'PY' | tee "$OUT/summary.md"
 import json, sys, pathlib
 out = pathlib.Path(sys.argv[1])
-print("| GPUs | steps | tokens/s (mean of steps > 20) | MFU | peak mem GiB | val loss start -> end |")
+print("| GPUs | steps | tokens/s (mean of steps > 20) | MFU | peak mem GiB "
+      "| val loss start -> end |")
 print("|---|---|---|---|---|---|")
 for n in (1, 2):
     path = out / f"metrics_gpu{n}.jsonl"

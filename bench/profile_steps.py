@@ -1,16 +1,19 @@
-"""Where a training step's time goes: torch.profiler over a few steps of train_ddp.py or train_fsdp.py.
+"""Where a training step's time goes: torch.profiler over a few steps of train_ddp.py or
+train_fsdp.py.
 
-    python3 bench/profile_steps.py train_fsdp.py NAME FIRST LAST -- --nproc_per_node 2 SCRIPT key=value ...
+    python3 bench/profile_steps.py train_fsdp.py NAME FIRST LAST -- --nproc_per_node 2 SCRIPT k=v
 
-Writes a copy of the trainer to .baselines/prof/NAME/ (ignored by git) with a profiler window over the steps
-after FIRST up to LAST, then runs it with torchrun (the arguments after `--`; SCRIPT stands for the copy).
-Each rank prints one `PROF` line: the window's wall time, how long the GPU ran any kernel (the union of kernel
-intervals: 1 - busy/wall is the time the GPU sat idle), the union of non-NCCL kernels, and the sum of NCCL kernel
-times (an NCCL kernel also runs while it waits for the other rank, so a large sum on one rank points at the other).
-Rank 0 also prints the top kernels and host calls, and (PROF_STACK=1) the operator chain above every
-cudaMemcpyAsync, cudaStreamSynchronize and cudaEventSynchronize, i.e. where the host waited for the GPU. CUDA only.
-A tiered run (model.embedding_gpu_rows): rank 0 also prints one `HOST` line per TieredEmbedding method (stage,
-start_step, reduce_gradients, step, write_to_tables): its calls and host time in the window.
+Writes a copy of the trainer to .baselines/prof/NAME/ (ignored by git) with a profiler window over
+the steps after FIRST up to LAST, then runs it with torchrun (the arguments after `--`; SCRIPT
+stands for the copy). Each rank prints one `PROF` line: the window's wall time, how long the GPU ran
+any kernel (the union of kernel intervals: 1 - busy/wall is the time the GPU sat idle), the union of
+non-NCCL kernels, and the sum of NCCL kernel times (an NCCL kernel also runs while it waits for the
+other rank, so a large sum on one rank points at the other). Rank 0 also prints the top kernels and
+host calls, and (PROF_STACK=1) the operator chain above every cudaMemcpyAsync,
+cudaStreamSynchronize and cudaEventSynchronize, i.e. where the host waited for the GPU. CUDA only.
+A tiered run (model.embedding_gpu_rows): rank 0 also prints one `HOST` line per TieredEmbedding
+method (stage, start_step, reduce_gradients, step, write_to_tables): its calls and host time in the
+window.
 """
 import collections
 import os
@@ -22,11 +25,12 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-ANCHOR = "        micro_batches, step_input_tokens, step_label_tokens, step_lengths = next_batches\n"
+ANCHOR = ("        micro_batches, step_input_tokens, step_label_tokens, step_lengths"
+          " = next_batches\n")
 
 
 class Window:
-    """The profiler between two steps; the trainer's copy calls window.at(step, rank) once per step."""
+    """The profiler between two steps; the trainer's copy calls window.at(step, rank) each step."""
 
     def __init__(self, name, first, last):
         self.name, self.first, self.last = name, first, last
@@ -35,7 +39,8 @@ class Window:
         if step == self.first:
             torch.cuda.synchronize()
             self.profile = torch.profiler.profile(
-                activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA],
+                activities=[torch.profiler.ProfilerActivity.CPU,
+                            torch.profiler.ProfilerActivity.CUDA],
                 with_stack=bool(os.environ.get("PROF_STACK")))
             self.profile.__enter__()
             self.start = time.perf_counter()
@@ -58,15 +63,17 @@ class Window:
                 nccl += end - start
             elif end > compute_end:
                 compute, compute_end = compute + end - max(start, compute_end), end
-        print(f"PROF rank {rank} {self.name}: wall {wall * 1e3:.1f} ms for {self.last - self.first} steps, "
-              f"GPU busy (any kernel) {busy / 1e3:.1f} ms, compute-kernel union {compute / 1e3:.1f} ms, "
-              f"nccl kernel sum {nccl / 1e3:.1f} ms", flush=True)
+        print(f"PROF rank {rank} {self.name}: wall {wall * 1e3:.1f} ms for "
+              f"{self.last - self.first} steps, GPU busy (any kernel) {busy / 1e3:.1f} ms, "
+              f"compute-kernel union {compute / 1e3:.1f} ms, nccl kernel sum {nccl / 1e3:.1f} ms",
+              flush=True)
         if rank != 0:
             return
         averages = self.profile.key_averages()
         for average in averages:
             if average.key.startswith("TieredEmbedding."):
-                print(f"HOST {average.key}: {average.count} calls, {average.cpu_time_total / 1e3:.1f} ms", flush=True)
+                print(f"HOST {average.key}: {average.count} calls, "
+                      f"{average.cpu_time_total / 1e3:.1f} ms", flush=True)
         print(averages.table(sort_by="self_cuda_time_total", row_limit=25), flush=True)
         print(averages.table(sort_by="self_cpu_time_total", row_limit=15), flush=True)
         chains = collections.Counter()
@@ -89,11 +96,12 @@ def labelled(label, method):
 
 
 def label_methods(namespace):
-    """Give the tiered embedding's host work a name in the profile (a record_function range per call)."""
+    """Give the tiered embedding's host work a name in the profile (a record_function per call)."""
     tiered_class = namespace.get("TieredEmbedding")
     for name in ("stage", "start_step", "reduce_gradients", "step", "write_to_tables"):
         if hasattr(tiered_class, name):
-            setattr(tiered_class, name, labelled(f"TieredEmbedding.{name}", getattr(tiered_class, name)))
+            method = getattr(tiered_class, name)
+            setattr(tiered_class, name, labelled(f"TieredEmbedding.{name}", method))
 
 
 def main():
@@ -105,13 +113,15 @@ def main():
     hook = ("        __import__('profile_steps').Window.shared.at(step, rank)\n")
     text = text.replace(ANCHOR, ANCHOR + hook)
     text = text.replace('\nif __name__ == "__main__":\n',
-                        '\n__import__("profile_steps").label_methods(globals())\n\nif __name__ == "__main__":\n', 1)
+                        '\n__import__("profile_steps").label_methods(globals())\n\n'
+                        'if __name__ == "__main__":\n', 1)
     copy_dir = REPO / ".baselines" / "prof" / name
     copy_dir.mkdir(parents=True, exist_ok=True)
     (copy_dir / script).write_text(text)
     (copy_dir / "config.yaml").write_text((REPO / "config.yaml").read_text())
     where = torchrun_args.index("SCRIPT")
-    command = ["torchrun", *torchrun_args[:where], str(copy_dir / script), *torchrun_args[where + 1:]]
+    command = ["torchrun", *torchrun_args[:where], str(copy_dir / script),
+               *torchrun_args[where + 1:]]
     env = {**os.environ, "PYTHONPATH": f"{REPO / 'bench'}:{os.environ.get('PYTHONPATH', '')}",
            "PROF_WINDOW": f"{name}:{first}:{last}"}
     print(" ".join(command), flush=True)
