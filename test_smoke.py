@@ -218,9 +218,13 @@ def test_config_file_mistakes_name_the_line_or_the_key(tmp_path):
         train_ddp.load_config([str(broken)], use_cuda=False)
     wrong_type = tmp_path / "wrong_type.yaml"
     wrong_type.write_text((REPO / "config.yaml").read_text().replace("max_steps: 300", "max_steps: many"))
-    cfg = train_ddp.load_config([str(wrong_type)], use_cuda=True)
     with pytest.raises(train_ddp.UserError, match="train.max_steps=many in the config file is not a number"):
-        train_ddp.check_config(cfg, world_size=1)
+        train_ddp.load_config([str(wrong_type)], use_cuda=True)
+    misspelt = tmp_path / "misspelt.yaml"
+    misspelt.write_text("train:\n  max_step: 10\n")
+    with pytest.raises(train_ddp.UserError, match="unknown config key 'train.max_step' in the config file "
+                                                  "-> did you mean 'train.max_steps'"):
+        train_ddp.load_config([str(misspelt)], use_cuda=True)
     cfg = train_ddp.load_config(["optim.min_lr=1e-2", "optim.lr=1e-3"], use_cuda=False)
     with pytest.raises(train_ddp.UserError, match="optim.min_lr=0.01 is above optim.lr=0.001"):
         train_ddp.check_config(cfg, world_size=1)
@@ -334,7 +338,7 @@ def test_the_label_count_every_rank_makes_equals_the_labels_of_all_ranks_micro_b
     meta = train_ddp.read_meta(data_dir)
     cfg = train_ddp.load_config(["model.type=bert", "train.seq_len=64", "train.global_batch_size=12",
                                  "train.micro_batch_size=3", "train.pad_to_multiple=8"], use_cuda=False)
-    data = train_ddp.ArrowTokens(data_dir, meta, "train", "mlm", 64, meta["special_tokens"])
+    data = train_ddp.ArrowTokens(data_dir, meta, "train", "mlm", 64)
     for world_size in (1, 2):
         labels = 0
         for rank in range(world_size):
@@ -353,7 +357,7 @@ def test_token_mean_gradient_is_independent_of_the_micro_batch_split_and_the_nai
     cfg = train_ddp.load_config(["model.type=bert", *TINY_MODEL, "model.dropout=0.0"], use_cuda=False)
     meta = train_ddp.read_meta(data_dir)
     special = meta["special_tokens"]
-    data = train_ddp.ArrowTokens(data_dir, meta, "train", "mlm", 64, special)
+    data = train_ddp.ArrowTokens(data_dir, meta, "train", "mlm", 64)
     model, _ = train_ddp.build_model(cfg, "mlm", 448, special, torch.device("cpu"))
     ids = np.arange(16)
     lengths = [data.length(i) for i in ids]
@@ -367,7 +371,7 @@ def test_token_mean_gradient_is_independent_of_the_micro_batch_split_and_the_nai
         return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
 
     def batches(size):
-        return [train_ddp.make_micro_batch(data, ids[k:k + size], np.zeros(size, int), cfg, special, torch.device("cpu"))
+        return [train_ddp.make_micro_batch(data, ids[k:k + size], np.zeros(size, int), cfg, torch.device("cpu"))
                 for k in range(0, 16, size)]
 
     def label_tokens(batch):
@@ -418,6 +422,7 @@ def test_gradient_is_the_same_for_any_split_into_ranks_and_micro_batches_and_eit
 # with its own data; the folk recipe; bf16 compression. Rank 0 prints what the tests below check.
 REDUCER_SCRIPT = """
 import contextlib, json, os, sys, time
+from types import SimpleNamespace
 sys.path.insert(0, REPO)
 import torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -442,15 +447,16 @@ def loss_of(model, ids):  # the trainer's scaling: summed loss x world size / la
 
 
 def train(kind, bucket_mb=0.02, accumulate=True, compression="none", steps=1, observe=None):
-    raw, allreduce_spans = fresh_model(), []
+    raw, timers = fresh_model(), reducer_timers()
     ddp = reducer = None
     if kind == "torch":
         ddp = DDP(raw, bucket_cap_mb=bucket_mb)
         if compression == "bf16":
-            ddp.register_comm_hook(allreduce_spans, train_ddp.bf16_allreduce_hook)
+            ddp.register_comm_hook(timers.allreduce_spans, train_ddp.bf16_allreduce_hook)
+    elif kind == "naive":
+        reducer = train_ddp.NaiveReducer(raw, timers)
     else:
-        reducer = train_ddp.InlineReducer(raw, bucket_mb, compression, allreduce_spans,
-                                          train_ddp.SpanTimer(torch.device("cpu")))
+        reducer = train_ddp.InlineReducer(raw, reducer_config(bucket_mb, compression), timers)
         if observe is not None:  # gradients still to come when each bucket starts
             launch = reducer.launch
             reducer.launch = lambda index: (observe.append(sum(reducer.missing)), launch(index))
@@ -460,9 +466,8 @@ def train(kind, bucket_mb=0.02, accumulate=True, compression="none", steps=1, ob
     for _ in range(steps):
         for index, ids in enumerate(batches):
             is_last = index == len(batches) - 1
-            if reducer:
-                reducer.reduce_in_backward = is_last
-            with ddp.no_sync() if ddp and not is_last else contextlib.nullcontext():
+            with ddp.no_sync() if ddp and not is_last else reducer.sync(is_last) if reducer else \
+                    contextlib.nullcontext():
                 loss = loss_of(ddp or raw, ids)
                 loss.backward()
         if reducer:
@@ -472,11 +477,19 @@ def train(kind, bucket_mb=0.02, accumulate=True, compression="none", steps=1, ob
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     weights = torch.cat([p.detach().flatten() for p in raw.parameters()])
-    return gradient, weights, losses, (reducer.buckets if reducer else None)
+    return gradient, weights, losses, getattr(reducer, "buckets", None)
 
 
 def relative(a, b):
     return float((a - b).norm() / b.norm())
+
+
+def reducer_config(bucket_mb, compression="none"):
+    return SimpleNamespace(dist=SimpleNamespace(bucket_mb=bucket_mb, grad_compression=compression))
+
+
+def reducer_timers():
+    return SimpleNamespace(allreduce_spans=[], comm_wait=train_ddp.SpanTimer(torch.device("cpu")))
 
 
 def spread_over_ranks(tensor):  # the largest difference between this rank's tensor and any other's
@@ -492,6 +505,10 @@ for name, options in [("buckets", {}), ("no_accumulation", {"accumulate": False}
     gradient, weights, _, buckets = train("inline", observe=pending, **options)
     results[name] = {"gradient": relative(gradient, ddp_gradient), "weights": relative(weights, ddp_weights),
                      "rank_spread": spread_over_ranks(weights), "buckets": len(buckets), "pending_at_launch": pending}
+    naive_gradient, naive_weights, _, _ = train("naive", **options)
+    results[name].update(naive_gradient=relative(naive_gradient, ddp_gradient),
+                         naive_weights=relative(naive_weights, ddp_weights),
+                         naive_rank_spread=spread_over_ranks(naive_weights))
 
 # 2. a parameter that one rank (or no rank) does not use
 class TwoBranches(torch.nn.Module):
@@ -509,9 +526,9 @@ for name, use_branch in [("unused_on_rank_1", rank == 0), ("unused_everywhere", 
     reference(x, use_branch).sum().backward()
     torch.manual_seed(0)
     model = TwoBranches()
-    reducer = train_ddp.InlineReducer(model, 1e-5, "none", [], train_ddp.SpanTimer(torch.device("cpu")))
-    reducer.reduce_in_backward = True
-    model(x, use_branch).sum().backward()
+    reducer = train_ddp.InlineReducer(model, reducer_config(1e-5), reducer_timers())
+    with reducer.sync(last=True):
+        model(x, use_branch).sum().backward()
     reducer.finish()
     ddp_branch = reference.module.branch.weight.grad
     results[name] = {"used": relative(model.used.weight.grad, reference.module.used.weight.grad),
@@ -571,12 +588,13 @@ def reducer_results(tmp_path_factory):
     return json.loads(re.search(r"^RESULT (.*)$", result.stdout, re.MULTILINE).group(1))
 
 
-def test_inline_reducer_gives_the_gradients_and_weights_of_ddp(reducer_results):
-    """Ranks start from different weights (each seeds its own): both reducers must broadcast rank 0's."""
+def test_inline_and_naive_reducers_give_the_gradients_and_weights_of_ddp(reducer_results):
+    """Ranks start from different weights (each seeds its own): the reducers must broadcast rank 0's."""
     for case in ["buckets", "no_accumulation", "one_bucket"]:
         result = reducer_results[case]
         assert result["gradient"] < 1e-6 and result["weights"] < 1e-6, (case, result)
-        assert result["rank_spread"] == 0, (case, result)
+        assert result["naive_gradient"] < 1e-6 and result["naive_weights"] < 1e-6, (case, result)
+        assert result["rank_spread"] == 0 and result["naive_rank_spread"] == 0, (case, result)
     assert reducer_results["buckets"]["buckets"] >= 4 and reducer_results["one_bucket"]["buckets"] == 1
 
 
@@ -744,7 +762,7 @@ def test_checkpoints_are_ordered_by_step_number_and_old_ones_go_after_the_new_on
     real_rmtree = shutil.rmtree
     monkeypatch.setattr(train_ddp.shutil, "rmtree", lambda path: events.append(("delete", Path(path).name)) or real_rmtree(path))
     model = torch.nn.Linear(2, 2)
-    train_ddp.save_checkpoint(ckpt_dir, 1000001, 2, model, torch.optim.SGD(model.parameters(), lr=0.1),
+    train_ddp.write_checkpoint(ckpt_dir, 1000001, 2, model, torch.optim.SGD(model.parameters(), lr=0.1),
                               {"config": {"a": 1}})
     assert [p.name for p in train_ddp.complete_checkpoints(ckpt_dir)] == ["step_1000000", "step_1000001"]
     assert (ckpt_dir / "latest").read_text() == "step_1000001"
@@ -873,29 +891,32 @@ def test_nans_on_either_rank_skip_those_steps_on_every_rank_and_leave_weights_an
         assert state["step"] == 2 and all(torch.equal(value, state_after[index][key]) for key, value in state.items())
 
 
-def test_the_host_reads_a_verdict_only_once_the_next_steps_first_micro_batch_is_queued(data_dir, tmp_path,
-                                                                                     monkeypatch):
-    """On a GPU, reading a tensor's value (.tolist(), .item()) makes the host wait for all the work queued
-    before it. Inside a step the trainer reads one value, the last step's verdict, and only once the step's
-    first micro-batch is queued, so the GPU has that to run meanwhile. A CPU cannot show the GPU's idle time;
-    the order of the trainer's reads (R) and its training losses (L, 2 micro-batches a step) shows the rule."""
+def test_the_host_waits_for_the_gpu_once_a_step_after_queuing_its_backward_and_the_next_batches(
+        data_dir, tmp_path, monkeypatch):
+    """On a GPU, reading a tensor's value (.tolist(), .item()) makes the host wait for all the work
+    queued before it. Inside a step the trainer reads one value, the step's verdict, and only once the
+    step's backward passes and the next step's batches are queued. A CPU cannot show the GPU's idle
+    time; the order of the trainer's reads (R), its training losses (L, 2 micro-batches a step) and
+    its batch building (B) shows the rule."""
     events = []
-    loss_sum = train_ddp.token_loss_sum
-    monkeypatch.setattr(train_ddp, "token_loss_sum",
-                        lambda *args: (events.append("L") if torch.is_grad_enabled() else None, loss_sum(*args))[1])
+    loss_sum, rank_batches = train_ddp.token_loss_sum, train_ddp.rank_batches
+    monkeypatch.setattr(train_ddp, "token_loss_sum", lambda *args: (
+        events.append("L") if torch.is_grad_enabled() else None, loss_sum(*args))[1])
+    monkeypatch.setattr(train_ddp, "rank_batches", lambda *args: (
+        events.append("B") if args[2] is not None else None, rank_batches(*args))[1])
     for name in ("tolist", "item"):
         def read(tensor, original=getattr(torch.Tensor, name)):
-            if sys._getframe(1).f_code.co_filename == train_ddp.__file__:  # the trainer's, not torch's own
+            if sys._getframe(1).f_code.co_filename == train_ddp.__file__:  # the trainer's reads
                 events.append("R")
             return original(tensor)
         monkeypatch.setattr(torch.Tensor, name, read)
     error, _ = train_in_process(f"data.dir={data_dir}", *TINY_MODEL, "train.global_batch_size=8",
                                 "train.micro_batch_size=4", "train.max_steps=4", "log.every=100",
-                                "train.eval_every=100", "train.eval_batches=1", "checkpoint.every=0", "export=false",
-                                f"out_dir={tmp_path}", f"checkpoint.dir={tmp_path}/ckpt")
+                                "train.eval_every=100", "train.eval_batches=1", "checkpoint.every=0",
+                                "export=false", f"out_dir={tmp_path}", f"checkpoint.dir={tmp_path}/ckpt")
     assert error is None, error
     steps = "".join(events)
-    assert steps[steps.index("L"):steps.rindex("L") + 1] == "LL" + "LRL" * 3, steps  # the last step's: read after it
+    assert steps[steps.index("B"):].startswith("B" + "LLBR" * 4), steps
 
 
 def test_a_diverging_run_stops_after_max_bad_steps_and_never_saves_non_finite_weights(data_dir, tmp_path):
@@ -1072,7 +1093,7 @@ def test_token_ids_beyond_the_vocabulary_are_found_when_the_data_is_opened(data_
     meta = train_ddp.read_meta(copy)
     meta["vocab_size"] = 50  # the tokenizer's ids go up to ~400
     with pytest.raises(train_ddp.UserError, match="holds token id .* but the vocabulary has 50 tokens"):
-        train_ddp.ArrowTokens(copy, meta, "train", "causal", 64, meta["special_tokens"])
+        train_ddp.ArrowTokens(copy, meta, "train", "causal", 64)
 
 
 # ----------------------------------------------------------------------------- train_fsdp.py
@@ -1175,7 +1196,7 @@ def test_fsdp_refuses_the_ddp_reducer_settings(override, monkeypatch):
     """Refused, not ignored: FSDP reduce-scatters its gradients itself; --check (launch.sh) finds it before any work."""
     import train_fsdp
     monkeypatch.setattr(sys, "argv", ["train_fsdp.py", "--check", override])
-    with pytest.raises(train_fsdp.UserError, match=re.escape(override) + r".* are train_ddp\.py's"):
+    with pytest.raises(train_fsdp.UserError, match=re.escape(override) + r" is train_ddp\.py's"):
         train_fsdp.main()
 
 
@@ -1193,10 +1214,7 @@ rank, device = dist.get_rank(), torch.device("cpu")
 cfg = train_fsdp.load_config({TINY_MODEL!r} + ["model.dropout=0.0", "train.compile=false"], use_cuda=False)
 special = {{"eot": 0, "pad": 1, "mask": 2, "cls": 3, "sep": 4}}
 torch.manual_seed(0)
-source = train_fsdp.build_model(cfg, "causal", 448, special, device)[0] if rank == 0 else None
-with torch.device("meta"):
-    model, _ = train_fsdp.build_model(cfg, "causal", 448, special, device, shapes_only=True)
-train_fsdp.shard_model(model, source, cfg, None, False, device)
+model, _ = train_fsdp.shard_model(cfg, "causal", 448, special, device, False, None)
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
 ids = torch.randint(5, 448, (4, 64), generator=torch.Generator().manual_seed(0))
 for _ in range(2):
@@ -1208,7 +1226,7 @@ local = {{"parameters": sum(p.to_local().numel() for p in model.parameters()),
           "adam_state": sum(v.to_local().numel() for s in optimizer.state.values() for v in s.values() if v.dim() > 0)}}
 with torch.no_grad():
     logits = model(input_ids=ids).logits
-full_model = train_fsdp.gather_full_model(model, cfg, "causal", 448, special, device)
+full_model = train_fsdp.gather_full_model(model, cfg, "causal", 448, special)
 if rank == 0:
     full_model.save_pretrained({str(tmp_path / "export")!r})
     torch.save(logits, {str(tmp_path / "logits.pt")!r})
@@ -1257,7 +1275,7 @@ def untiered_reference(data_dir):
     holds its id, with its own step count. Returns the losses and the final embedding."""
     cfg = train_ddp.load_config([*TIERED, "train.micro_batch_size=16"], use_cuda=False)
     optim, meta = cfg.optim, train_ddp.read_meta(data_dir)
-    data = train_ddp.ArrowTokens(data_dir, meta, "train", "causal", cfg.train.seq_len, meta["special_tokens"])
+    data = train_ddp.ArrowTokens(data_dir, meta, "train", "causal", cfg.train.seq_len)
     torch.manual_seed(cfg.train.seed)
     model, _ = train_ddp.build_model(cfg, "causal", 384, meta["special_tokens"], torch.device("cpu"))
     embedding = model.get_input_embeddings().weight
@@ -1350,28 +1368,27 @@ def test_tier_map_puts_the_most_frequent_ids_on_the_gpu_with_ties_to_the_lower_i
     ids = torch.tensor([[0, 3, 4, 6, 3], [7, 1, 6, 5, 0]])
     with torch.no_grad():  # validation's path: the rows straight from the CPU tables
         assert torch.equal(tiered(ids), plain(ids))
-    tiered.stage([{"host_input_ids": ids}], ids.flatten())  # training's path: the step's rows staged, then started
-    tiered.start_step()
-    assert torch.equal(tiered.cold_ids[tiered.current.slots - 4], torch.tensor([3, 5, 6, 7]))  # the batch's cold ids
-    looked_up = tiered(ids)
+    tiered.stage([{"host_input_ids": ids}], ids.flatten())  # training's path: the step's rows staged
+    looked_up = tiered(ids)  # its first training forward makes them the step's rows, a parameter
+    assert torch.equal(tiered.cold_ids[tiered.current.slots - 4], torch.tensor([3, 5, 6, 7]))  # the batch's
+    assert any(p is tiered.rows for p in tiered.parameters())  # so the global gradient norm counts it
     assert torch.equal(looked_up, plain(ids))
-    looked_up.pow(2).sum().backward()
+    looked_up.pow(2).sum().backward()  # its hook: one micro-batch, one rank, so nothing to all-reduce
     plain(ids).pow(2).sum().backward()
-    (touched,) = tiered.reduce_gradients(world_size=1)
-    assert torch.allclose(touched.grad, plain.weight.grad[[3, 5, 6, 7]])  # the padding row 6: no gradient in both
+    touched, state = tiered.rows, tiered.current
+    assert torch.allclose(touched.grad, plain.weight.grad[[3, 5, 6, 7]])  # the padding row 6: none in both
     assert torch.allclose(tiered.hot_weight.grad, plain.weight.grad[[1, 2, 4, 0]])
     assert torch.equal(tiered.merged().weight, plain.weight.detach())
-    # a step whose verdict says skip (a NaN here) leaves the rows, their moments and step counts as they were
-    optim, state = SimpleNamespace(weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8), tiered.current
+    # a step whose verdict says skip leaves the rows, their moments and step counts as they were
     before = [tensor.clone() for tensor in (touched.detach(), state.exp_avg, state.exp_avg_sq, state.steps)]
-    touched.grad[0, 0] = float("nan")
-    tiered.step(0.1, optim, torch.tensor(1.0))
-    assert all(torch.equal(old, new) for old, new in zip(before, (touched.detach(), state.exp_avg, state.exp_avg_sq,
-                                                                   state.steps)))
-    assert torch.equal(tiered.merged().weight, plain.weight.detach())  # the copy back to the tables: unchanged too
-    touched.grad[0, 0] = 1.0
-    tiered.step(0.1, optim, torch.tensor(0.0))  # a good step updates every row of the step
+    tiered.step(0.1, (0.9, 0.95), 1e-8, 0.1, skipped=True)
+    assert all(torch.equal(old, new) for old, new in zip(before, (touched.detach(), state.exp_avg,
+                                                                   state.exp_avg_sq, state.steps)))
+    assert tiered.rows is None and not any(p is touched for p in tiered.parameters())  # the step ended
+    assert torch.equal(tiered.merged().weight, plain.weight.detach())  # the tables: unchanged too
+    tiered.step(0.1, (0.9, 0.95), 1e-8, 0.1, skipped=False)  # a good step updates every row of the step
     assert state.steps.tolist() == [1, 1, 1, 1] and not torch.equal(touched.detach(), before[0])
+    assert not torch.equal(tiered.merged().weight, plain.weight.detach())  # and goes to the tables
 
 
 def test_tiered_embedding_is_refused_where_it_cannot_work(data_dir, tmp_path):
@@ -2306,10 +2323,10 @@ def test_model_flops_are_what_the_flop_counter_counts_with_causal_attention_half
         cfg = train_ddp.load_config([f"model.type={model_type}", *TINY_MODEL, "model.attention=eager",
                                      "train.micro_batch_size=3", "train.pad_to_multiple=16"], use_cuda=False)
         model, _ = train_ddp.build_model(cfg, task, 448, special, torch.device("cpu"))
-        data = train_ddp.ArrowTokens(data_dir, meta, "train", task, 64, special)
+        data = train_ddp.ArrowTokens(data_dir, meta, "train", task, 64)
         ids = np.arange(40, 43)  # MLM: three documents of different lengths, padded to the longest
         lengths = [data.length(int(i)) for i in ids]
-        batch = train_ddp.make_micro_batch(data, ids, np.zeros(3, int), cfg, special, torch.device("cpu"))
+        batch = train_ddp.make_micro_batch(data, ids, np.zeros(3, int), cfg, torch.device("cpu"))
         with FlopCounterMode(display=False) as counter:
             logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
             train_ddp.token_loss_sum(logits, batch["labels"]).backward()
@@ -2368,6 +2385,196 @@ def test_masked_lm_compiles_one_graph_for_all_padded_lengths(data_dir, tmp_path,
 
 def dist_is_initialized():
     return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+# ----------------------------------------------------------------------------- the scripts' form
+
+TRAINERS = ["train_ddp.py", "train_fsdp.py"]
+# Each optional part: its tag, and the name of its block at the end of the file (MLM's stands by the data).
+OPTIONAL = {"MLM": "MLM", "metrics": "metrics", "tiered": "tiered", "FAULT": "faults"}
+OPTIONAL_IN = {"train_ddp.py": ["MLM", "metrics", "tiered", "FAULT"], "train_fsdp.py": ["MLM", "metrics", "FAULT"]}
+# What train_fsdp.py defines differently from train_ddp.py: FSDP's own; every other function, class and
+# constant both files define must be the same source (train_ddp.py's lines tagged # tiered left out).
+FSDP_OWN = {"main", "train_step", "save_checkpoint", "load_weights", "weights_are_finite", "CHECKPOINT_FILES",
+            "NOT_HERE", "OTHER_TRAINER"}
+
+
+def tagged(line, tag):
+    return re.search(rf"#\s*{tag}(:|$)", line.rstrip("\n")) is not None
+
+
+def without(source, tag):
+    """The source with the optional part's block and every line tagged for it deleted."""
+    block, kept, inside = OPTIONAL[tag], [], False
+    for line in source.splitlines(keepends=True):
+        inside = inside or re.match(rf"# =+ {block}: begin", line) is not None
+        if not inside and not tagged(line, tag):
+            kept.append(line)
+        inside = inside and re.match(rf"# =+ {block}: end", line) is None
+    return "".join(kept)
+
+
+def top_level_sources(path):
+    source = Path(path).read_text()
+    names = {}
+    for node in __import__("ast").parse(source).body:
+        target = node.targets[0] if node.__class__.__name__ == "Assign" else node
+        name = getattr(target, "name", getattr(target, "id", None))
+        if name:
+            names[name] = __import__("ast").get_source_segment(source, node)
+    return names
+
+
+def ruff(*paths, select=None):
+    return run([sys.executable, "-m", "ruff", "check", *(["--select", select] if select else []), *map(str, paths)])
+
+
+def test_the_four_scripts_pass_the_linter_lines_of_100_characters_at_most():
+    result = ruff("preprocess.py", "train_ddp.py", "train_fsdp.py", "stress_test.py")
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert 'line-length = 100' in (REPO / "pyproject.toml").read_text()
+
+
+@pytest.mark.parametrize("trainer", TRAINERS)
+def test_each_optional_part_is_one_block_with_few_call_sites_and_deleting_it_leaves_valid_code(trainer, tmp_path):
+    """The promise of the docstrings: delete a part's block and its tagged lines and the rest still holds
+    together (no name left undefined or unused, no empty block). The fenced parts reach the core through at
+    most four tagged lines; MLM, half of what the trainers teach, through more."""
+    source = (REPO / trainer).read_text()
+    for tag in OPTIONAL_IN[trainer]:
+        block = OPTIONAL[tag]
+        assert len(re.findall(rf"^# =+ {block}: begin", source, re.MULTILINE)) == 1, (trainer, tag)
+        begin, end = source.index(f"{block}: begin"), source.index(f"{block}: end")
+        outside = source[:begin] + source[end:]
+        call_sites = [line for line in outside.splitlines() if tagged(line, tag)]
+        if tag != "MLM":
+            assert 1 <= len(call_sites) <= 4, (trainer, tag, call_sites)
+            assert source.rindex(": begin") >= begin, "the fenced blocks stand at the end of the file"
+        stripped = tmp_path / f"{tag}_{trainer}"
+        stripped.write_text(without(source, tag))
+        result = ruff(stripped, select="E1,E9,F")  # syntax, indentation, undefined and unused names
+        assert result.returncode == 0, (tag, result.stdout[-3000:])
+    assert "tiered" not in OPTIONAL_IN[trainer] or "class TieredEmbedding" in source
+    if trainer == "train_fsdp.py":  # nothing that cannot run under FSDP
+        for name in ["TieredEmbedding", "InlineReducer", "NaiveReducer", "DistributedDataParallel",
+                     "bf16_allreduce_hook", "# tiered"]:
+            assert name not in source, name
+
+
+@pytest.mark.parametrize("trainer", TRAINERS)
+def test_a_trainer_with_every_optional_part_deleted_trains_a_causal_model_copied_alone(trainer, data_dir,
+                                                                                          tmp_path):
+    """MLM, the metrics exporters, the fault hooks (and for train_ddp.py the tiered embedding) deleted with
+    their tagged lines: the rest, copied alone into a directory with only data/ beside it, trains on 2 ranks."""
+    source = (REPO / trainer).read_text()
+    for tag in OPTIONAL_IN[trainer]:
+        source = without(source, tag)
+    work = tmp_path / "alone"
+    shutil.copytree(data_dir, work / "data" / "stdlib")
+    (work / trainer).write_text(source)
+    assert sorted(p.name for p in work.iterdir()) == ["data", trainer]
+    command = torchrun_command(2, trainer, *TINY_MODEL, "train.global_batch_size=16", "train.micro_batch_size=4",
+                               "train.max_steps=6", "checkpoint.every=3", "train.eval_every=3", "log.every=1",
+                               "optim.lr=1e-2", "optim.warmup_steps=2", "log.sample_prompt=")
+    command[command.index(str(REPO / trainer))] = trainer
+    result = run(command, cwd=work)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    val = read_metrics(work / "out", "val")
+    assert val[-1]["val_loss"] < val[0]["val_loss"] and (work / "out" / "checkpoints" / "step_000006").is_dir()
+    assert (work / "out" / "final" / "config.json").is_file()
+
+
+def test_a_copy_of_train_ddp_alone_trains_on_two_ranks_with_its_built_in_defaults(data_dir, tmp_path):
+    """No config.yaml beside it: the defaults built into the file (and the CPU preset) apply."""
+    shutil.copytree(data_dir, tmp_path / "data" / "stdlib")
+    shutil.copy(REPO / "train_ddp.py", tmp_path / "train_ddp.py")
+    command = torchrun_command(2, "train_ddp.py", "train.max_steps=4", "train.eval_every=4", "log.every=2",
+                               "train.eval_batches=1", "checkpoint.every=4", "log.sample_prompt=")
+    command[command.index(str(REPO / "train_ddp.py"))] = "train_ddp.py"
+    result = run(command, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "global batch 32 sequences = 2 ranks x 1 micro-batches x 16 sequences" in result.stdout  # CPU preset
+    assert [r["step"] for r in read_metrics(tmp_path / "out", "train")] == [2, 4]
+
+
+def test_config_yaml_holds_exactly_the_defaults_built_into_both_trainers_and_preprocess():
+    """config.yaml is where users edit; the files carry the same values so a copied file runs alone."""
+    import train_fsdp
+    tree = train_ddp.read_yaml(REPO / "config.yaml")
+    cpu_preset = tree.pop("cpu_preset")
+    for trainer in (train_ddp, train_fsdp):
+        assert train_ddp.flatten(tree) == trainer.flatten(trainer.DEFAULTS)
+        assert {key: float(value) if isinstance(trainer.CPU_PRESET[key], float) else value
+                for key, value in cpu_preset.items()} == trainer.CPU_PRESET
+    assert preprocess.DEFAULTS == tree["data"]
+    for key, value in train_ddp.flatten(train_ddp.DEFAULTS).items():  # types the config file keeps
+        assert type(train_ddp.flatten(tree)[key]) is type(value), key
+
+
+def test_functions_both_trainers_define_are_the_same_source_but_fsdps_own():
+    """train_fsdp.py is train_ddp.py with the parallelism swapped: what both define is word for word the same
+    (train_ddp.py's lines tagged # tiered left out), except the short list of FSDP's own."""
+    ddp, fsdp = top_level_sources(REPO / "train_ddp.py"), top_level_sources(REPO / "train_fsdp.py")
+    both = set(ddp) & set(fsdp)
+    assert FSDP_OWN <= both
+    untiered = {name: without(text, "tiered") for name, text in ddp.items()}
+    different = {name for name in both - FSDP_OWN if untiered[name] != fsdp[name]}
+    assert not different, different
+    assert all(untiered[name] != fsdp[name] for name in FSDP_OWN), "no longer FSDP's own: drop from FSDP_OWN"
+    assert {"shard_model", "gather_full_model"} <= set(fsdp) - set(ddp)
+    assert {"wrap_model", "InlineReducer", "NaiveReducer", "TieredEmbedding"} <= set(ddp) - set(fsdp)
+
+
+def test_main_and_train_step_fit_their_budgets_and_the_core_comes_first():
+    import ast
+    for trainer in TRAINERS:
+        source = (REPO / trainer).read_text()
+        functions = {node.name: node for node in ast.parse(source).body if isinstance(node, ast.FunctionDef)}
+        main, step = functions["main"], functions["train_step"]
+        assert main.end_lineno - main.lineno + 1 <= 120, trainer
+        assert step.end_lineno - step.lineno + 1 <= 45, trainer
+        update = next(node.lineno for node in ast.walk(step) if isinstance(node, ast.Call)
+                      and getattr(node.func, "attr", None) == "step" and getattr(node.func.value, "id", "") == "optimizer")
+        assert update - step.lineno + 1 <= 30, trainer
+        assert main.lineno < step.lineno < functions["save_checkpoint"].lineno < functions["load_config"].lineno
+    # the parallelism right after train_step
+    ddp = (REPO / "train_ddp.py").read_text()
+    assert ddp.index("def step_verdict") < ddp.index("def wrap_model") < ddp.index("class NaiveReducer") \
+        < ddp.index("class InlineReducer") < ddp.index("def save_checkpoint")
+    fsdp = (REPO / "train_fsdp.py").read_text()
+    assert fsdp.index("def step_verdict") < fsdp.index("def shard_model") < fsdp.index("def save_checkpoint")
+
+
+def test_fsdp_grad_scaler_sees_an_overflow_in_one_ranks_shard_on_every_rank(tmp_path):
+    """Why train_fsdp.py can train in fp16 with the plain torch.amp.GradScaler: unscale_ on FSDP2's sharded
+    (DTensor) gradients all-reduces its inf check, so an overflow in one rank's shard lowers the scale on
+    every rank alike, and the ranks keep one loss scale."""
+    script = tmp_path / "scaler.py"
+    script.write_text("""
+import json, torch, torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+for layer in model:
+    fully_shard(layer)
+fully_shard(model)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+scaler.scale(model(torch.ones(2, 8)).sum()).backward()
+if dist.get_rank() == 1:
+    next(model.parameters()).grad.to_local().view(-1)[0] = float("inf")  # in rank 1's shard only
+before = next(model.parameters()).detach().full_tensor().clone()
+scaler.step(optimizer)
+scaler.update()
+unchanged = torch.equal(before, next(model.parameters()).detach().full_tensor())
+print("RESULT", json.dumps({"rank": dist.get_rank(), "scale": scaler.get_scale(), "unchanged": unchanged}))
+dist.destroy_process_group()
+""")
+    result = torchrun(2, script)
+    results = [json.loads(line.split(" ", 1)[1]) for line in result.stdout.splitlines() if line.startswith("RESULT")]
+    assert [r["scale"] for r in results] == [512.0, 512.0], results  # halved on both ranks
+    assert all(r["unchanged"] for r in results), results  # and the step skipped on both
 
 
 # ----------------------------------------------------------------------------- bench/bench.py

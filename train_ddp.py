@@ -1,18 +1,15 @@
-"""Train a transformers model on one or many GPUs with DistributedDataParallel (DDP).
+"""Train a transformers model on one GPU, many GPUs or many machines with DistributedDataParallel.
 
-    bash launch.sh                                  # every GPU of this machine (2 CPU processes without GPUs)
+    bash launch.sh                                   # every GPU here (2 CPU processes without GPUs)
     torchrun --nproc_per_node 8 train_ddp.py train.max_steps=1000 optim.lr=3e-4
 
-`main()` tells the whole story in seven numbered sections: 1. config (config.yaml + key=value overrides),
-2. distributed init, 3. data (memory-mapped Arrow shards from preprocess.py, a sampler that depends only on
-(seed, epoch)), 4. model (a transformers config or a local pretrained path), 5. optimizer, 6. checkpoint
-(full state, atomic, auto-resume), 7. training loop (bf16 autocast, gradient accumulation with DDP's
-overlapped all-reduce, periodic validation, logging, export). The helpers follow `main()`, grouped under the
-same section numbers. Read section 7 first if you want the training step, `global_batch_plan` for the data split.
-`InlineReducer` (dist.reducer=inline) is what the DDP wrapper does inside, written out.
-Lines marked `# MLM` serve only masked-LM models (BERT): delete them for a causal-only trainer.
-Lines marked `# tiered` serve only model.embedding_gpu_rows (TieredEmbedding: the rare rows of a large
-vocabulary's input embedding in CPU memory).
+Read main() first: the seven sections of a run, a few lines each. Then train_step(), one optimizer
+step, and after it the parallelism written out: wrap_model() (DDP, a reducer of ours, or none),
+NaiveReducer and InlineReducer (what DDP does for you). Checkpoints follow, then the helpers by
+section. Defaults are DEFAULTS below; config.yaml beside this file (or a .yaml path given first) and
+section.key=value arguments override them. Optional parts go with the lines tagged for them: # MLM
+(masked-LM models such as BERT), and the blocks at the end, # metrics (TensorBoard, Prometheus,
+NVML), # tiered (an input embedding partly in CPU memory), # FAULT (fault injection for the tests).
 """
 
 import contextlib
@@ -43,429 +40,660 @@ import torch.nn.functional as F
 import yaml
 from tokenizers import Tokenizer
 from torch.nn.parallel import DistributedDataParallel as DDP
-from transformers import (AttentionInterface, AttentionMaskInterface, AutoConfig, AutoModelForCausalLM,
-                          AutoModelForMaskedLM, PreTrainedTokenizerFast)
+from transformers import (AttentionInterface, AttentionMaskInterface, AutoConfig,
+                          AutoModelForCausalLM, AutoModelForMaskedLM, PreTrainedTokenizerFast)
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES  # MLM
 from transformers.utils import logging as transformers_logging
 
-IGNORE_INDEX = -100  # label value F.cross_entropy skips: padding and unmasked MLM positions
-
-
-class UserError(Exception):
-    """A foreseeable mistake (bad config, missing data, unreadable checkpoint): one clear line, no traceback."""
-
-
-def die(message):
-    raise UserError(message)
-
-
-def unloadable(error):
-    if isinstance(error, pickle.UnpicklingError):  # weights_only=True met a class or function: it is never run
-        return "it holds pickled objects other than tensors and plain data; loading refuses them"
-    return first_line(error)
-
-
-def first_line(error):
-    """An exception's first line, for a one-line message (some exceptions have an empty text)."""
-    return (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
-
-
-def log0(*values):
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(*values, flush=True)
-
-
-def fault(kind, step):
-    """Test-only fault injection, off unless FAULT=kind:rank:step is set: true where that rank should
-    misbehave at that step (kill, kill-in-save, hang, nan, slow: 2 s more to build its batches), on a job's
-    first attempt only (torchrun counts restarts in TORCHELASTIC_RESTART_COUNT), so a restarted job runs
-    clean. Several faults: FAULT=slow:1:3,hang:0:5."""
-    specs = os.environ.get("FAULT")
-    if not specs or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
-        return False
-    try:
-        here = (kind, int(os.environ.get("RANK", "0")), step)
-        return any((want_kind, int(want_rank), int(want_step)) == here
-                   for want_kind, want_rank, want_step in (spec.split(":") for spec in specs.split(",")))
-    except ValueError:
-        die(f"FAULT={specs} is not kind:rank:step[,...] -> e.g. FAULT=kill:1:7 (kinds: kill, kill-in-save, hang, "
-            "nan, slow)")
+# Every knob and its default; config.yaml holds the same values, each with the reason for it.
+DEFAULTS = {
+    "out_dir": "out", "export": True,
+    "model": dict(type="gpt2", task="auto", pretrained="", n_layer=12, n_head=12, n_embd=768,
+                  intermediate_size=0, dropout=0.0, attention="auto", tie_word_embeddings="auto",
+                  embedding_gpu_rows=0),
+    "data": dict(dir="data/stdlib", vocab_size=8192, val_fraction=0.02),
+    "train": dict(seq_len=1024, global_batch_size=64, micro_batch_size=32, max_steps=300,
+                  precision="auto", compile="auto", seed=1337, eval_every=100, eval_batches=8,
+                  mlm_probability=0.15, pad_to_multiple=0, max_bad_steps=10),
+    "optim": dict(lr=6e-4, min_lr=6e-5, warmup_steps=50, weight_decay=0.1, beta1=0.9, beta2=0.95,
+                  eps=1e-8, grad_clip=1.0),
+    "checkpoint": dict(dir="out/checkpoints", every=100, keep=2, resume="auto", async_save=False),
+    "log": dict(every=10, sample_prompt="def ", sample_tokens=64, peak_tflops=0, tensorboard=True,
+                prometheus_port=0, gpu_util=True),
+    "fsdp": dict(reshard_after_forward=True, activation_checkpointing=False, cpu_offload=False),
+    "dist": dict(backend="auto", timeout_s=600, reducer="torch", bucket_mb=25.0,
+                 grad_compression="none"),
+}
+# Without a CUDA GPU these replace the defaults: the whole demo then ends in minutes on a laptop.
+CPU_PRESET = {"model.n_layer": 2, "model.n_head": 4, "model.n_embd": 128, "train.seq_len": 128,
+              "train.global_batch_size": 32, "train.micro_batch_size": 16, "train.max_steps": 200,
+              "train.eval_every": 50, "train.eval_batches": 4, "optim.lr": 2e-3,
+              "optim.min_lr": 2e-4, "optim.warmup_steps": 20, "checkpoint.every": 100}
+OTHER_TRAINER = "train_fsdp.py"  # its knobs, refused here unless at their defaults, and why
+NOT_HERE = {"fsdp.reshard_after_forward": "an FSDP setting", "fsdp.cpu_offload": "an FSDP setting",
+            "fsdp.activation_checkpointing": "an FSDP setting",
+            "checkpoint.async_save": "sharded checkpoints are written in the background"}
+IGNORE_INDEX = -100  # the label F.cross_entropy skips: padding, and the positions MLM leaves
 
 
 def main():
-    # ------------------------------------------------------------------------- 1. config
-    args = sys.argv[1:]
-    check_only = "--check" in args  # launch.sh validates the config before it starts any process
+    # --------------------------------------------------------------------------------- 1. config
     use_cuda = torch.cuda.is_available()
-    cfg = load_config([arg for arg in args if arg != "--check"], use_cuda)
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    micro_batches_per_step = check_config(cfg, world_size)
-    if check_only:
+    cfg = load_config([arg for arg in sys.argv[1:] if arg != "--check"], use_cuda)
+    world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    micro_batches = check_config(cfg, world_size)
+    if "--check" in sys.argv:  # launch.sh validates the config before it starts any process
         for key in ["data.dir", "checkpoint.dir", "checkpoint.resume", "out_dir", "dist.timeout_s"]:
             print(f"{key}={config_dict(cfg)[key]}")
         return
 
-    # ------------------------------------------------------------------------- 2. distributed init
-    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
-    user_allocator_settings = {"PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"} & set(os.environ)  # torch 2.13 reads either
-    if use_cuda and cfg.model.embedding_gpu_rows and not user_allocator_settings:
-        # Tiered: a step's cold rows vary in number, so its GPU tensors change size at every step. With the caching
-        # allocator's default the GPU then sat idle 27-29% of the time (110k tokens/s, 49-56 GiB reserved for a
-        # 40 GiB peak); with expandable segments 1.4% (149k), on 1 H200 (bench/RESULTS.md). Set before CUDA
-        # starts: the same call made after it (torch.cuda.memory._set_allocator_settings) changed nothing there.
-        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
-    if use_cuda:
-        torch.cuda.set_device(device)  # without it every rank would build its NCCL communicator on GPU 0
-    backend = cfg.dist.backend if cfg.dist.backend != "auto" else ("nccl" if use_cuda else "gloo")
-    timeout = timedelta(seconds=cfg.dist.timeout_s)
-    if "RANK" in os.environ:
-        # torchrun keeps its store (MASTER_PORT) across restarts, and ranks read each other's addresses from
-        # it: a restarted rank can read one a dead rank left there and fail to connect (measured with gloo: 3
-        # of 5 restarts). On one node every rank knows the attempt number, so each attempt gets its own keys.
-        # On several nodes torchrun counts restarts per node, so there the keys stay as torch sets them.
-        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's agent hosts it
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
-                              is_master=rank == 0 and not agent_store, timeout=timeout)
-        if int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) == world_size:
-            store = dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
-                                device_id=device if use_cuda else None)
-    else:  # plain `python train_ddp.py`: a one-process group, so the code below has one path
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-
+    # ----------------------------------------------------------------------- 2. distributed init
+    device = init_distributed(cfg, world_size, rank, use_cuda)
     precision = choose_precision(cfg.train.precision, device)
-    autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
-    autocast = torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None)
-    # fp32 matmuls (all of an fp32 run, what autocast leaves in fp32) may use TF32 tensor cores: 10 mantissa
-    # bits instead of 23 (bf16 has 7); NVIDIA's A100 datasheet gives 156 TF32 vs 19.5 fp32 TFLOP/s
-    torch.set_float32_matmul_precision("high")
-    log0(
-        f"world size {world_size} ({backend}, {device.type}), precision {precision}, "
-        f"global batch {cfg.train.global_batch_size} sequences = {world_size} ranks x "
-        f"{micro_batches_per_step} micro-batches x {cfg.train.micro_batch_size} sequences"
-    )
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
+    torch.set_float32_matmul_precision("high")  # let fp32 matmuls use TF32 tensor cores
+    log0(f"world size {world_size} ({dist.get_backend()}, {device.type}), precision {precision}, "
+         f"global batch {cfg.train.global_batch_size} sequences = {world_size} ranks x "
+         f"{micro_batches} micro-batches x {cfg.train.micro_batch_size} sequences")
 
-    # ------------------------------------------------------------------------- 3. data
+    # ----------------------------------------------------------------------------------- 3. data
     data_dir = Path(cfg.data.dir)
     meta = read_meta(data_dir)
-    task = "mlm" if cfg.model.task == "mlm" or (cfg.model.task == "auto" and is_masked_lm_type(cfg)) else "causal"
-    special = meta["special_tokens"]
-    train_data = ArrowTokens(data_dir, meta, "train", task, cfg.train.seq_len, special)
-    val_data = ArrowTokens(data_dir, meta, "val", task, cfg.train.seq_len, special)
-    for split, split_data in [("train", train_data), ("val", val_data)]:
-        if len(split_data) == 0:
-            die(f"the {split} split of {data_dir} has no {task} samples of seq_len {cfg.train.seq_len} -> "
-                "prepare more text with preprocess.py, lower train.seq_len or raise data.val_fraction")
+    task = "causal"
+    if cfg.model.task == "mlm" or (cfg.model.task == "auto" and is_masked_lm_type(cfg)):  # MLM
+        task = "mlm"  # MLM
+    train_data, val_data = (ArrowTokens(data_dir, meta, split, task, cfg.train.seq_len)
+                            for split in ("train", "val"))
     log0(f"data {data_dir}: {task} samples train {len(train_data):,} val {len(val_data):,} "
          f"({meta['splits']['train']['tokens']:,} train tokens)")
 
-    # ------------------------------------------------------------------------- 4. model
-    padded_vocab_size = math.ceil(meta["vocab_size"] / 64) * 64  # as nanoGPT does: matmul-friendly sizes
+    # ---------------------------------------------------------------------------------- 4. model
+    padded_vocab = math.ceil(meta["vocab_size"] / 64) * 64  # as nanoGPT: matmul-friendly sizes
+    use_compile = cfg.train.compile == "true" or (cfg.train.compile == "auto" and use_cuda)
     torch.manual_seed(cfg.train.seed)  # the same initial weights on every rank
-    raw_model, attention = build_model(cfg, task, padded_vocab_size, special, device)
-    # tiered: split before .to(device), so that the whole table never occupies the GPU
-    tiered = tier_embedding(raw_model, data_dir, meta, cfg, precision, device) if cfg.model.embedding_gpu_rows else None
+    raw_model, attention = build_model(cfg, task, padded_vocab, meta["special_tokens"], device)
+    tier_embedding(raw_model, data_dir, meta, cfg, precision, device)  # tiered
     raw_model.to(device)
-    flops_of = model_flops_counter(raw_model, task, attention, cfg)  # FLOPs of the micro-batches of a step, for MFU
-    log0(f"model {raw_model.config.model_type} ({task}), {sum(p.numel() for p in raw_model.parameters()) / 1e6:.1f}M "
-         f"parameters, attention {attention}, vocab {meta['vocab_size']} padded to {padded_vocab_size}")
-    # dropout differs per rank on purpose (different data); seeded from (seed, rank) so a run is repeatable
+    flops_of = model_flops_counter(raw_model, task, attention, cfg)  # per step, for MFU
+    log0(f"model {raw_model.config.model_type} ({task}), "
+         f"{sum(p.numel() for p in raw_model.parameters()) / 1e6:.1f}M parameters, attention "
+         f"{attention}, vocab {meta['vocab_size']} padded to {padded_vocab}")
+    # dropout differs per rank on purpose (other data); seeded from (seed, rank): runs repeat
     torch.manual_seed(int(np.random.SeedSequence([cfg.train.seed, rank]).generate_state(1)[0]))
 
-    # ------------------------------------------------------------------------- 5. optimizer
-    decay = [p for p in raw_model.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in raw_model.parameters() if p.requires_grad and p.dim() < 2]  # biases, norm weights
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps,
-        # fused: the whole update in one multi-tensor kernel (the default, foreach, runs one per operation; CPUs
-        # have one since torch 2.4), and only the fused step reads optimizer.found_inf, which skips a bad step
-        # on the device, with no wait for the host (section 7)
-        fused=True,
-    )
+    # ------------------------------------------------------------------------------ 5. optimizer
+    optimizer = make_optimizer(raw_model, cfg)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg))
-    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")  # fp16 gradients underflow without it
+    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")  # fp16 underflows else
     predicted = memory_prediction(raw_model, device)
-    log0(f"memory per rank, predicted from the parameters' counts and dtypes: weights "
-         f"{predicted['weights'] / 2**20:,.1f} MiB, gradients {predicted['gradients'] / 2**20:,.1f} MiB, AdamW state "
-         f"{predicted['optimizer'] / 2**20:,.1f} MiB on {device.type}; activations are measured at step 2")
 
-    # ------------------------------------------------------------------------- 6. checkpoint
-    ckpt_dir = Path(cfg.checkpoint.dir)
-    if world_size > 1 and cfg.checkpoint.every > 0:  # every rank must see the directory rank 0 writes
-        token = on_rank0(write_marker, ckpt_dir)
-        on_all_ranks(check_marker, ckpt_dir, token)
-        on_rank0(remove_marker, ckpt_dir, token)
-    # Rank 0 alone picks the checkpoint: ranks that list the directory themselves can see different files
-    # (network filesystems cache directory listings) and would then train different weights, silently.
-    resume_dir = on_rank0(find_resume_checkpoint, ckpt_dir, cfg.checkpoint.resume)
-    step, samples_seen, tokens_seen = 0, 0, 0
+    # ----------------------------------------------------------------------------- 6. checkpoint
+    run = SimpleNamespace(cfg=cfg, device=device, autocast=autocast, train_data=train_data,
+                          raw_model=raw_model, meta=meta, ckpt_dir=Path(cfg.checkpoint.dir), step=0,
+                          samples_seen=0, tokens_seen=0, bad_in_a_row=0)
+    if world_size > 1 and cfg.checkpoint.every > 0:  # every rank must see what rank 0 writes
+        check_shared_directory(run.ckpt_dir)
+    # Rank 0 alone picks the checkpoint: ranks that listed the directory themselves could see
+    # different files (network filesystems cache listings) and would train different weights.
+    resume_dir = on_rank0(find_resume_checkpoint, run.ckpt_dir, cfg.checkpoint.resume)
     if resume_dir is not None:
-        train_state = on_all_ranks(load_train_state, resume_dir, scheduler, scaler, cfg)
-        on_all_ranks(load_weights, resume_dir, raw_model, optimizer)
-        step, samples_seen, tokens_seen = train_state["step"], train_state["samples_seen"], train_state["tokens_seen"]
-        if step >= cfg.train.max_steps:
-            die(f"{resume_dir} is at step {step}, train.max_steps is {cfg.train.max_steps}: nothing left to train -> "
-                "raise train.max_steps to go on, or start afresh in a new checkpoint.dir (or checkpoint.resume=never)")
-        restore_rng(train_state["rng"], rank, cfg.train.seed, step)
-        apply_settings(optimizer, scheduler, cfg, step)
-        changed = changed_settings(train_state["config"], cfg)
-        if changed:
-            log0(f"note: changed since the checkpoint, this run's values apply: {', '.join(changed)}")
-        if train_state.get("data_fingerprint") != meta.get("fingerprint"):
-            log0(f"warning: {data_dir} was rebuilt since {resume_dir} was written; the data position may not match")
-        log0(f"resumed from {resume_dir}: step {step}, {samples_seen:,} samples, {tokens_seen:,} tokens seen")
+        resume(resume_dir, run, optimizer, scheduler, scaler)
 
-    # ------------------------------------------------------------------------- 7. training loop
-    # where the time goes, read at each log line (SpanTimer): building the next batches, waiting at the step's
-    # sync for the slowest rank, waiting for the gradient all-reduces (dist.reducer=inline)
-    data_wait, sync_wait, comm_wait = SpanTimer(device), SpanTimer(device), SpanTimer(device)
-    allreduce_spans = []  # (start, end) of each timed bucket all-reduce of this interval: see timed_all_reduce
-    # Wrapped after loading: DDP's constructor copies rank 0's weights to every rank. One process needs no
-    # DDP: it would only split the compiled graph at its buckets (below) and all-reduce with itself.
-    # dist.reducer=inline does DDP's work in plain sight instead (InlineReducer); one process needs neither.
-    use_compile = cfg.train.compile == "true" or (cfg.train.compile == "auto" and use_cuda)
-    ddp_model = reducer = None
-    if world_size > 1 and cfg.dist.reducer == "torch":
-        if use_compile and cfg.dist.bucket_mb < 1:  # seen; the check is in torch/_dynamo/backends/distributed.py
-            die(f"dist.bucket_mb={cfg.dist.bucket_mb} is below 1: under torch.compile, Dynamo's DDPOptimizer takes "
-                "DDP's first bucket to be 1 MiB and stops when the others are smaller -> give dist.bucket_mb=1 or more, "
-                "or use dist.reducer=inline or train.compile=false")
-        # bucket_cap_mb given, DDP's first bucket is that size too (its default is 1 MiB): both reducers bucket alike
-        # broadcast_buffers=False: the buffers of these models are constants every rank builds alike (BERT's
-        # position_ids and token_type_ids, Llama's rotary inv_freq), and the weights are synchronised by the
-        # constructor; DDP's default re-broadcasts rank 0's buffers before every forward: a collective per
-        # micro-batch and, under torch.compile, a graph break (Dynamo cannot trace _broadcast_coalesced: seen in
-        # a 2-GPU BERT run's log)
-        ddp_model = DDP(raw_model, device_ids=[local_rank] if use_cuda else None, bucket_cap_mb=cfg.dist.bucket_mb,
-                        gradient_as_bucket_view=True, broadcast_buffers=False)  # gradients live in the buckets
-        if cfg.dist.grad_compression == "bf16":
-            ddp_model.register_comm_hook(allreduce_spans, bf16_allreduce_hook)
-    elif world_size > 1:
-        reducer = InlineReducer(raw_model, cfg.dist.bucket_mb, cfg.dist.grad_compression, allreduce_spans,
-                                comm_wait)
-    # Dynamo splits the compiled graph at DDP's bucket boundaries whenever it compiles code running inside
-    # DDP's forward, whichever of the two wraps the other (DDPOptimizer, torch/_dynamo/convert_frame.py):
-    # each bucket's all-reduce then starts while backward is still computing the earlier layers.
-    model = torch.compile(ddp_model or raw_model) if use_compile and not reducer else ddp_model or raw_model
-    if use_compile and reducer:
-        # Not the whole model: the backward of one compiled graph is one autograd node, whose gradients all appear
-        # when it ends (measured on CPU, GPT-2 of 4 blocks: every hook fired after 99% of backward's time), so no
-        # all-reduce would overlap. Compiled block by block (as train_fsdp.py does), a block's gradients appear
-        # when its backward ends (the same measurement: the 4 blocks' hooks fired at 47%, 67%, 84% and 98%).
-        blocks = [m for m in raw_model.modules() if type(m).__name__ in (raw_model._no_split_modules or [])]
-        for block in blocks or [raw_model]:  # a model that lists no blocks: one graph, no overlap
-            block.compile()
-    # the loss in its own compiled graph: the fp32 upcast, log-softmax and gather fuse into few kernels
-    loss_of = torch.compile(token_loss_sum) if use_compile else token_loss_sum
-    out_dir = Path(cfg.out_dir)
-    metrics_log = open_metrics_log(cfg, out_dir, step, rank, local_rank)
-    metrics_log.write({"kind": "start", "step": step, "world_size": world_size, "time": time.time()})
-    peak_flops = peak_flops_per_gpu(device, cfg.log.peak_tflops)
-    read_gpu_util = gpu_util_reader(device, cfg.log.gpu_util)
-    if step == 0:
-        log0(f"step 0 | validation on {cfg.train.eval_batches} global batches (the first steps include compilation)")
-        val_loss = evaluate(model, val_data, cfg, world_size, rank, device, autocast)
-        log0(f"step 0 | val loss {val_loss:.4f}")
-        metrics_log.write({"kind": "val", "step": 0, "val_loss": val_loss})
-
-    stop_requested = catch_stop_signals()  # SIGTERM or SIGINT: finish the step, write a checkpoint, stop
-    model.train()
-    interval_loss_sum = torch.zeros((), device=device, dtype=torch.float64)  # this rank's, stays on the GPU
-    interval_steps, interval_input_tokens, interval_flops = 0, 0, 0
-    interval_start, paused_s = time.perf_counter(), 0.0
-    verdicts = StepVerdicts(cfg.train.max_bad_steps)  # each step's verdict, read one step late; the interval's counts
-    # AdamW creates its state in the first update, so the second step of a run is the first whose peak holds
-    # everything: weights, gradients, optimizer state and the activations of backward
-    memory_report_step = min(step + 2, cfg.train.max_steps)
-    with data_wait:
-        next_batches = rank_batches(train_data, samples_seen, cfg.train.seed, cfg, world_size, rank, device)
-        if tiered:  # tiered: the first step's CPU rows, on their way to the GPU
-            tiered.stage(next_batches[0], step_input_ids(train_data, samples_seen, cfg, world_size, rank, next_batches[0]))
-    while step < cfg.train.max_steps:
-        micro_batches, step_input_tokens, step_label_tokens, step_lengths = next_batches
-        if tiered:  # tiered: the step's CPU rows on the GPU: as staged, or as the last step updated them there
-            tiered.start_step()
-        if fault("kill", step + 1):  # FAULT
-            os.kill(os.getpid(), signal.SIGKILL)  # FAULT
-        if fault("hang", step + 1):  # FAULT
-            time.sleep(10**6)  # FAULT
-        # The step's gradient must be that of the mean loss over every label token of the global batch, however
-        # the batch is split into ranks and micro-batches. The common recipe (the mean of each micro-batch,
-        # divided by the number of micro-batches) over-weights tokens of short micro-batches. So each micro-batch
-        # contributes sum(loss) / (label tokens of the whole global batch), a count every rank makes on the host
-        # from the shared batch plan: no communication, no wait for the GPU. DDP then averages over ranks;
-        # the factor world_size undoes that mean.
-        loss_scale = world_size / max(1, step_label_tokens)
-        step_loss_sum = torch.zeros((), device=device, dtype=torch.float64)
-        for index, batch in enumerate(micro_batches):
-            is_last = index == len(micro_batches) - 1
-            # no_sync: accumulate locally; only the last backward all-reduces, overlapped with compute
-            if reducer:
-                reducer.reduce_in_backward = is_last
-            with ddp_model.no_sync() if ddp_model and not is_last else contextlib.nullcontext():
-                with autocast:
-                    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-                if task == "mlm" and 0 < cfg.train.pad_to_multiple < cfg.train.seq_len:  # MLM: dynamic padding:
-                    torch._dynamo.maybe_mark_dynamic(logits, 1)  # MLM: the loss's graph serves every length too
-                loss_sum = loss_of(logits, batch["labels"])
-                if fault("nan", step + 1):  # FAULT
-                    loss_sum = loss_sum * float("nan")  # FAULT
-                scaler.scale(loss_sum * loss_scale).backward()
-            # backward has freed what it saved; the name alone would keep these logits (shape A: 16 x 1024 x 8192
-            # in bf16, 256 MiB) alive through the next micro-batch's forward or the update (measured on an H200:
-            # allocated after the update 1,736 MiB with the name kept, against 1,406 MiB of weights and state)
-            del logits
-            step_loss_sum += loss_sum.detach()
-            if index == 0:  # the host waits for the last step's work now, while the GPU has this micro-batch to run:
-                verdicts.settle()  # that step's verdict
-                if tiered:  # tiered: and the rows it updated, into the CPU tables (not at the step's end with stage())
-                    tiered.write_to_tables()
-        # the next step's batches, built on the host while the GPU still runs this step's backward; data_wait
-        # counts what that costs the device: on a GPU only the time it sits idle waiting for them
-        with data_wait:
-            if fault("slow", step + 1):  # FAULT
-                time.sleep(2)  # FAULT
-            next_batches = rank_batches(train_data, samples_seen + cfg.train.global_batch_size, cfg.train.seed, cfg,
-                                        world_size, rank, device)
-            if tiered:  # tiered: and its CPU rows, gathered and on their way to the GPU
-                tiered.stage(next_batches[0], step_input_ids(train_data, samples_seen + cfg.train.global_batch_size,
-                                                             cfg, world_size, rank, next_batches[0]))
-        if reducer:
-            reducer.finish()  # every bucket's sum is in, averaged: before anything reads a gradient
-        scaler.unscale_(optimizer)  # clip the true gradient, not the fp16-scaled one
-        # tiered: the gradient of the step's CPU rows, from every rank, counted into the one global norm
-        cold_rows = tiered.reduce_gradients(world_size) if tiered else []
-        grad_norm = torch.nn.utils.clip_grad_norm_([*raw_model.parameters(), *cold_rows],
-                                                   cfg.optim.grad_clip or float("inf"))
-        # The step's verdict: is the gradient finite, and was any rank asked to stop? All-reduced, so that every
-        # rank takes the same decision at the same step (a NaN on one rank reaches all through the gradient
-        # reduction; a signal may reach one rank only). It is built, reduced and applied on the device: the host
-        # does not wait for it here, where the GPU would then idle while the host queues the update and the next
-        # step's forward, but reads it during the next step's first micro-batch or before anything that must
-        # know it (StepVerdicts). torch.full passes the value to its fill kernel (FillKernel.cu in PyTorch's
-        # aten/src/ATen/native/cuda): no copy from the host, which torch.tensor([...], device=...) would make.
-        verdict = torch.full((2,), float(bool(stop_requested)), device=device)
-        verdict[0] = grad_norm.isfinite().logical_not()
-        with sync_wait:  # how long this rank waits here for the slowest one: step_time_skew
-            dist.all_reduce(verdict, op=dist.ReduceOp.MAX)
-        skip = verdict[0]  # 1.0: a non-finite gradient: no update on any rank; the data and the schedule move on
-        # A fused AdamW skips the update of weights, moments and step counts where found_inf is 1 (GradScaler's
-        # protocol: _fused_adam in torch/optim/adam.py). Not scaler.step(): with a fused optimizer it puts its
-        # own found_inf in place of ours (step() in torch/amp/grad_scaler.py). The gradients are unscaled already
-        # (unscale_ above), and ours holds the fp16 overflow: an inf or NaN in any gradient makes the norm non-finite.
-        optimizer.found_inf = skip
-        optimizer.step()
-        if tiered:  # tiered: lazy AdamW on the CPU rows of this step (on the GPU), at this step's learning rate
-            tiered.step(optimizer.param_groups[0]["lr"], cfg.optim, skip)
-        interval_loss_sum += step_loss_sum.masked_fill(skip > 0, 0.0)  # a skipped step's loss: not in the log's
-        verdicts.defer(step + 1, verdict, step_label_tokens)
-        if step + 1 == memory_report_step:  # before zero_grad: the gradients still exist
-            memory = memory_measured(raw_model, optimizer, device, predicted)
-            metrics_log.write({"kind": "memory", "step": step + 1, **memory})
-            log0(memory_line(step + 1, memory))
-            held = embedding_memory(raw_model, optimizer)
-            log0(f"step {step + 1} | input embedding (weights, gradients, optimizer state): "
-                 + ", ".join(f"{mib:,.1f} MiB on {kind}" for kind, mib in sorted(held.items())))
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
-        step_lr = optimizer.param_groups[0]["lr"]  # the rate this step used: scheduler.step() sets the next one's
-        scheduler.step()
-        step += 1
-        samples_seen += cfg.train.global_batch_size
-        tokens_seen += step_input_tokens
-        interval_steps += 1
-        interval_input_tokens += step_input_tokens
-        interval_flops += flops_of(step_lengths)
-
-        log_now = step % cfg.log.every == 0 or step == cfg.train.max_steps
-        evaluate_now = step % cfg.train.eval_every == 0 or step == cfg.train.max_steps
-        save_now = cfg.checkpoint.every > 0 and (step % cfg.checkpoint.every == 0 or step == cfg.train.max_steps)
-        if log_now or evaluate_now or save_now or verdicts.stop:  # these must know this step's verdict
-            verdicts.settle()
-        stop_now = verdicts.stop  # a stop learned at this step's first micro-batch ends this step, as any other
-
-        if log_now or stop_now:
-            dist.all_reduce(interval_loss_sum)
-            loss_sum_value = interval_loss_sum.item()  # waits for the GPU: the clock below then counts finished work
-            loss = loss_sum_value / verdicts.label_tokens if verdicts.label_tokens else None  # None: all skipped
-            now = time.perf_counter()  # the next interval starts here: it pays for this log line's work
-            elapsed = now - interval_start - paused_s
-            tokens_per_sec = interval_input_tokens / elapsed
-            # Every rank's busy time (the interval less its waits for the others at the step's sync) and the
-            # share of the interval its device sat idle while its host built batches, in one small all_gather
-            # per interval: the slowest rank holds up all, so the skew and the largest data wait are logged.
-            busy_s, data_wait_frac = elapsed - sync_wait.total_s(), data_wait.total_s() / elapsed
-            per_rank = gather_floats([busy_s, data_wait_frac], device)
-            rank_busy_s = [busy for busy, _ in per_rank]
-            gib = 2**30
-            record = {
-                "kind": "train", "step": step, "loss": loss, "grad_norm": grad_norm.item(), "lr": step_lr,
-                "tokens_per_sec": tokens_per_sec, "steps_per_sec": interval_steps / elapsed,
-                "mfu": interval_flops / (elapsed * peak_flops * world_size) if peak_flops else None,
-                "gpu_util": read_gpu_util() if read_gpu_util else None,
-                "mem_alloc_gib": torch.cuda.memory_allocated() / gib if use_cuda else None,
-                "mem_reserved_gib": torch.cuda.memory_reserved() / gib if use_cuda else None,
-                "mem_peak_gib": torch.cuda.max_memory_allocated() / gib if use_cuda else None,
-                # times since the start the caching allocator found no free block it could use, released its
-                # cache (cudaFree) and called cudaMalloc again: fragmentation, and slow (c10/cuda/CUDACachingAllocator.cpp)
-                "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0) if use_cuda else None,
-                # communication backward did not hide, per step; DDP's own (dist.reducer=torch) is not timed
-                "comm_exposed_ms": 1000 * comm_wait.total_s() / interval_steps if reducer else None,
-                **allreduce_latency(allreduce_spans),  # allreduce_p50_ms, allreduce_p95_ms
-                "data_wait_frac": max(frac for _, frac in per_rank),
-                "step_time_skew": max(rank_busy_s) / max(min(rank_busy_s), 1e-9) if world_size > 1 else None,
-                "slowest_rank": rank_busy_s.index(max(rank_busy_s)) if world_size > 1 else None,
-                "tokens_seen": tokens_seen, "skipped_steps": verdicts.skipped,
-                "eta_s": elapsed / interval_steps * (cfg.train.max_steps - step),
-            }
-            metrics_log.write(record)
-            log0(log_line(record, cfg.train.max_steps))
-            interval_loss_sum.zero_()
-            interval_steps, interval_input_tokens, verdicts.label_tokens, verdicts.skipped = 0, 0, 0, 0
-            interval_flops, interval_start, paused_s = 0, now, 0.0
-
-        evaluate_now = evaluate_now and not stop_now
-        save_now = save_now or (cfg.checkpoint.every > 0 and stop_now)
-        if evaluate_now or save_now:  # validation and checkpoints are not training throughput
-            if use_cuda:
-                torch.cuda.synchronize()  # the step's own GPU work counts as training time, not as the pause
-            pause_start = time.perf_counter()
-            if evaluate_now:
-                val_loss = evaluate(model, val_data, cfg, world_size, rank, device, autocast)
-                log0(f"step {step} | val loss {val_loss:.4f}")
-                metrics_log.write({"kind": "val", "step": step, "val_loss": val_loss})
-            if save_now:
-                if not weights_are_finite(raw_model):  # the skipped steps above keep this from happening
-                    die(f"the weights are not finite at step {step}: no checkpoint written -> lower optim.lr")
-                rng_states = [None] * world_size
-                dist.all_gather_object(rng_states, rng_state(use_cuda))
-                train_state = {
-                    "step": step, "samples_seen": samples_seen, "tokens_seen": tokens_seen, "rng": rng_states,
-                    "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(), "config": config_dict(cfg),
-                    "data_fingerprint": meta.get("fingerprint"), "world_size": world_size,
-                }
-                on_rank0(save_checkpoint, ckpt_dir, step, cfg.checkpoint.keep, raw_model, optimizer, train_state)
-                log0(f"checkpoint {ckpt_dir / f'step_{step:06d}'} written")
-            paused_s += time.perf_counter() - pause_start
-        if stop_now:
-            saved = f"checkpoint {ckpt_dir / f'step_{step:06d}'} is written" if save_now else "no checkpoint (checkpoint.every=0)"
-            die(f"stopped at step {step} by a stop signal (SIGTERM or SIGINT); {saved} -> run the same command "
-                "again to resume from the newest checkpoint")
+    # -------------------------------------------------------------------------- 7. training loop
+    run.timers = SimpleNamespace(data_wait=SpanTimer(device), sync_wait=SpanTimer(device),
+                                 comm_wait=None, allreduce_spans=[])  # comm_wait: our reducers'
+    model, run.parallel = wrap_model(raw_model, cfg, device, use_compile, run.timers)
+    run.loss_of = loss_function(cfg, task, use_compile)
+    run.peak_flops = peak_flops_per_gpu(device, cfg.log.peak_tflops)
+    run.metrics = on_rank0(open_metrics, Path(cfg.out_dir), run.step, share_result=False)
+    run.exporters = start_exporters(cfg, run.step, device)  # metrics
+    write_metrics(run, {"kind": "start", "step": run.step, "world_size": world_size,
+                        "time": time.time()})
+    if run.step == 0:
+        log0(f"step 0 | validation on {cfg.train.eval_batches} global batches (the first steps "
+             "include compilation)")
+        validate(model, val_data, run)
+    run.stop_requested = catch_stop_signals()  # SIGTERM, SIGINT: finish the step, save, stop
+    interval, batches = Interval(device), step_batches(run, run.samples_seen)
+    memory_step = min(run.step + 2, cfg.train.max_steps)  # AdamW makes its state in the first step
+    while run.step < cfg.train.max_steps:
+        result = train_step(model, batches, optimizer, scheduler, scaler, run)
+        run.step, batches = run.step + 1, result.batches
+        interval.add_step(result, run, flops_of)
+        last = run.step == cfg.train.max_steps
+        if run.step == memory_step:
+            report_memory(run, optimizer, predicted)
+        if run.step % cfg.log.every == 0 or last or result.stop:
+            log_interval(interval, run, result)
+        with interval.paused():  # validation and checkpoints are not training throughput
+            if (run.step % cfg.train.eval_every == 0 or last) and not result.stop:
+                validate(model, val_data, run)
+            if cfg.checkpoint.every and (run.step % cfg.checkpoint.every == 0 or last or
+                                         result.stop):
+                save_checkpoint(run, optimizer, scheduler, scaler)
+        if result.stop:
+            saved = (f"checkpoint {step_dir(run.ckpt_dir, run.step)} is written" if
+                     cfg.checkpoint.every else "no checkpoint (checkpoint.every=0)")
+            die(f"stopped at step {run.step} by a stop signal (SIGTERM or SIGINT); {saved} -> run "
+                "the same command again to resume from the newest checkpoint")
 
     if cfg.export and not weights_are_finite(raw_model):
         die("the trained weights are not finite: not exported -> lower optim.lr")
-    metrics_log.close()
+    if run.metrics:
+        run.metrics.close()
+    stop_exporters(run.exporters)  # metrics
     if rank == 0 and cfg.export:
-        export_final(raw_model, data_dir, meta, out_dir / "final", task, cfg, device)
-    # Ranks leave together. Seen once here (gloo, 3 ranks, a loaded 2-core machine): a rank that left while
-    # rank 0 was still exporting died at exit with "terminate called without an active exception" (SIGABRT),
-    # failing a finished run. The others wait here at most dist.timeout_s for the export.
-    dist.barrier()
-    # the process group is destroyed after main() has returned: see the end of this file
+        export_final(raw_model, data_dir, meta, Path(cfg.out_dir) / "final", task, cfg, device)
+    dist.barrier()  # ranks leave together: one that leaves during rank 0's export can abort at exit
+
+
+def train_step(model, batches, optimizer, scheduler, scaler, run):
+    """One optimizer step over this rank's micro-batches; returns what the log needs."""
+    micro_batches, _, label_tokens, _ = batches
+    optimizer.zero_grad(set_to_none=True)  # here, not after the update: the memory report uses them
+    # The gradient must be that of the mean loss over every label token of the global batch, however
+    # it is split: each micro-batch adds sum(loss) / (label tokens of the global batch), counted on
+    # the host from the shared plan. The reduction averages over ranks: the world_size undoes that.
+    loss_scale = dist.get_world_size() / max(1, label_tokens)
+    loss_sum = torch.zeros((), device=run.device, dtype=torch.float64)
+    for index, batch in enumerate(micro_batches):
+        with run.parallel.sync(last=index == len(micro_batches) - 1):  # only the last reduces
+            with run.autocast:
+                logits = model(input_ids=batch["input_ids"],
+                               attention_mask=batch["attention_mask"]).logits
+            micro_loss = run.loss_of(logits, batch["labels"])
+            micro_loss = nan_fault(micro_loss, run.step + 1)  # FAULT
+            scaler.scale(micro_loss * loss_scale).backward()
+        del logits  # free now, not after the next forward
+        loss_sum += micro_loss.detach()
+    with run.timers.data_wait:  # the next step's batches, built while the GPU runs this backward
+        fault_point(run.step + 1)  # FAULT
+        next_batches = step_batches(run, run.samples_seen + run.cfg.train.global_batch_size)
+    run.parallel.finish()  # each gradient is now the mean over the ranks
+    scaler.unscale_(optimizer)  # clip the true gradient, not the fp16-scaled one
+    grad_norm = torch.nn.utils.clip_grad_norm_(run.raw_model.parameters(),
+                                               run.cfg.optim.grad_clip or float("inf"))
+    bad, stop = step_verdict(grad_norm, run)  # every rank decides alike, at the same step
+    if not bad:  # a non-finite gradient: no update on any rank; the data and schedule move on
+        optimizer.step()
+    end_tiered_step(run.raw_model, optimizer, bad)  # tiered
+    scaler.update()
+    lr = optimizer.param_groups[0]["lr"]  # the rate this step used: scheduler.step() sets the next
+    scheduler.step()
+    return SimpleNamespace(loss_sum=loss_sum, grad_norm=grad_norm, lr=lr, bad=bad, stop=stop,
+                           batches=next_batches, done=batches)
+
+
+def step_verdict(grad_norm, run):
+    """Is the gradient non-finite on some rank, and was some rank asked to stop? One all-reduce of
+    two numbers: a NaN on one rank reaches all through the gradients, a signal may reach one rank
+    only."""
+    verdict = torch.full((2,), float(bool(run.stop_requested)), device=run.device)  # no host copy
+    verdict[0] = grad_norm.isfinite().logical_not()
+    with run.timers.sync_wait:  # how long this rank waits here for the slowest: step_time_skew
+        dist.all_reduce(verdict, op=dist.ReduceOp.MAX)
+    bad, stop = (value > 0 for value in verdict.tolist())  # the host waits here for the GPU
+    run.bad_in_a_row = run.bad_in_a_row + 1 if bad else 0
+    if bad:
+        log0(f"step {run.step + 1} | non-finite gradient: update skipped ({run.bad_in_a_row} in a "
+             "row)")
+    if run.bad_in_a_row >= run.cfg.train.max_bad_steps:
+        die(f"{run.bad_in_a_row} steps in a row had a non-finite gradient (train.max_bad_steps="
+            f"{run.cfg.train.max_bad_steps}); no update was made from them and no checkpoint holds "
+            "them -> lower optim.lr or raise optim.warmup_steps, and check the data")
+    return bad, stop
+
+
+# ----------------------------------------------------------------------------- the parallelism
+
+def wrap_model(raw_model, cfg, device, use_compile, timers):
+    """The model each step calls, and how gradients reach every rank (`parallel.sync`, `.finish`):
+    DDP's C++ reducer (dist.reducer=torch), InlineReducer (what DDP does) or NaiveReducer
+    (plainest). One process needs none: nothing to average, and DDP would split the compiled graph
+    for nothing."""
+    nothing = SimpleNamespace(sync=lambda last: contextlib.nullcontext(), finish=lambda: None)
+    if dist.get_world_size() == 1:
+        return torch.compile(raw_model) if use_compile else raw_model, nothing
+    if cfg.dist.reducer == "torch":
+        if use_compile and cfg.dist.bucket_mb < 1:
+            die(f"dist.bucket_mb={cfg.dist.bucket_mb} is below 1: under torch.compile, Dynamo's "
+                "DDPOptimizer takes DDP's first bucket to be 1 MiB and stops when the others are "
+                "smaller -> give dist.bucket_mb=1 or more, or use dist.reducer=inline or "
+                "train.compile=false")
+        # broadcast_buffers=False: these models' buffers are constants every rank builds alike, and
+        # re-broadcasting them before every forward costs a collective (a graph break when compiled)
+        ddp = DDP(raw_model, device_ids=[device.index] if device.type == "cuda" else None,
+                  bucket_cap_mb=cfg.dist.bucket_mb, gradient_as_bucket_view=True,
+                  broadcast_buffers=False)
+        if cfg.dist.grad_compression == "bf16":
+            ddp.register_comm_hook(timers.allreduce_spans, bf16_allreduce_hook)
+        # Under torch.compile, Dynamo splits the graph at DDP's buckets (DDPOptimizer), so a
+        # bucket's all-reduce starts while backward still computes the layers before it.
+        model = torch.compile(ddp) if use_compile else ddp
+        # no_sync: accumulate locally; DDP's reducer averages in the last backward, overlapped with
+        # it
+        return model, SimpleNamespace(finish=lambda: None, sync=lambda last: (
+            contextlib.nullcontext() if last else ddp.no_sync()))
+    inline, timers.comm_wait = cfg.dist.reducer == "inline", SpanTimer(device)
+    reducer = InlineReducer(raw_model, cfg, timers) if inline else NaiveReducer(raw_model, timers)
+    if use_compile and inline:
+        # Block by block: the backward of one compiled graph is one autograd node, whose gradients
+        # all appear at its end; then no all-reduce could overlap it.
+        for block in repeated_blocks(raw_model) or [raw_model]:
+            block.compile()
+    return torch.compile(raw_model) if use_compile and not inline else raw_model, reducer
+
+
+class NaiveReducer:
+    """Data parallelism at its plainest (dist.reducer=naive): after the step's last backward, start
+    an all-reduce of every gradient, wait for all, divide. Right, but nothing overlaps backward:
+    compare InlineReducer, which starts each bucket of gradients as soon as backward has produced
+    it."""
+
+    def __init__(self, model, timers):
+        self.params, self.timers = [p for p in model.parameters() if p.requires_grad], timers
+        for tensor in [*model.parameters(), *model.buffers()]:  # every rank starts from rank 0's
+            dist.broadcast(tensor.detach(), src=0)
+
+    def sync(self, last):
+        return contextlib.nullcontext()  # backward only accumulates; finish() communicates
+
+    def finish(self):
+        for param in self.params:  # every rank all-reduces every gradient, used or not
+            param.grad = param.grad if param.grad is not None else torch.zeros_like(param)
+        works = [timed_all_reduce(param.grad, self.timers.allreduce_spans) for param in self.params]
+        with self.timers.comm_wait:  # all of it exposed: backward has ended
+            for work in works:
+                work.wait()
+        for param in self.params:
+            param.grad.div_(dist.get_world_size())
+
+
+class InlineReducer:
+    """What DDP does for you, in plain sight (dist.reducer=inline): every rank ends the step with
+    the mean of all ranks' gradients, and the all-reduces run while backward still computes earlier
+    layers.
+
+    Backward produces gradients about in reverse registration order, so parameters are grouped into
+    buckets of dist.bucket_mb in that order. A hook per parameter counts what its bucket still waits
+    for; on the step's last micro-batch a complete bucket is flattened and its
+    all_reduce(async_op=True) starts at once. finish() waits for every bucket, divides by the world
+    size and hands the means to the optimizer as .grad. On the other micro-batches the hooks do
+    nothing: gradients accumulate."""
+
+    def __init__(self, model, cfg, timers):
+        self.wire_dtype = torch.bfloat16 if cfg.dist.grad_compression == "bf16" else torch.float32
+        self.timers = timers  # for the log: all-reduce latency, communication backward did not hide
+        # every rank starts from rank 0's weights, as DDP's constructor makes sure: ranks that
+        # differed would train different models on averaged gradients, silently
+        for tensor in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(tensor.detach(), src=0)
+        self.buckets, filled = [[]], 0
+        for param in reversed([p for p in model.parameters() if p.requires_grad]):
+            if filled >= cfg.dist.bucket_mb * 2**20:  # DDP's rule: a bucket holds >= bucket_mb
+                self.buckets.append([])
+                filled = 0
+            self.buckets[-1].append(param)
+            filled += param.numel() * param.element_size()
+            # runs once autograd has added this backward's gradient into param.grad (a tied weight:
+            # once, with the sum)
+            param.register_post_accumulate_grad_hook(
+                functools.partial(self.gradient_ready, len(self.buckets) - 1))
+        self.reduce_in_backward = False  # set by sync(): true on the step's last micro-batch
+        self.missing = [len(bucket) for bucket in self.buckets]  # gradients each bucket waits for
+        self.in_flight = []  # (work, flat bucket) of the buckets started this step, in bucket order
+
+    def sync(self, last):
+        self.reduce_in_backward = last
+        return contextlib.nullcontext()
+
+    def gradient_ready(self, bucket_index, param):
+        if not self.reduce_in_backward:
+            return  # accumulation: the gradient stays local until the step's last micro-batch
+        self.missing[bucket_index] -= 1
+        # Buckets start in bucket order on every rank, as DDP's do: ranks match collectives by their
+        # order, so a rank that started bucket 3 before bucket 2 would add its bucket 3 to another
+        # rank's bucket 2.
+        while len(self.in_flight) < len(self.buckets) and self.missing[len(self.in_flight)] == 0:
+            self.launch(len(self.in_flight))
+
+    def launch(self, bucket_index):
+        bucket = self.buckets[bucket_index]
+        # A parameter this rank's backward did not reach adds zeros: a rank that skipped the bucket
+        # would leave the others waiting in it. One no rank reached gets a zero gradient.
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten()
+                          for p in bucket]).to(self.wire_dtype)
+        for param in bucket:
+            param.grad = None  # the bucket holds it now: one copy of the gradients, not two
+        self.in_flight.append((timed_all_reduce(flat, self.timers.allreduce_spans), flat))
+
+    def finish(self):
+        for bucket_index in range(len(self.in_flight), len(self.buckets)):
+            self.launch(bucket_index)  # buckets still missing a gradient
+        with self.timers.comm_wait:  # the communication that backward did not hide
+            for work, _ in self.in_flight:
+                # Without wait() nothing orders the sum before the optimizer reads it: on a GPU the
+                # compute stream then waits for the communication stream; on gloo the host waits.
+                work.wait()
+        for bucket, (_, flat) in zip(self.buckets, self.in_flight):
+            averaged = flat.float().div_(dist.get_world_size())  # bf16 travelled; divide in fp32
+            for param, grad in zip(bucket, averaged.split([p.numel() for p in bucket])):
+                param.grad = grad.view_as(param)  # a view of the bucket, as DDP's bucket views
+        self.missing, self.in_flight = [len(bucket) for bucket in self.buckets], []
+
+
+def bf16_allreduce_hook(allreduce_spans, bucket):
+    """DDP's communication hook for dist.grad_compression=bf16: a bucket travels as bf16 and is
+    divided by the world size in fp32, as in InlineReducer. Not torch's bf16_compress_hook: it
+    divides in bf16, and DDP accepts a hook of that name only from a torch built with CUDA and
+    NCCL."""
+    buffer = bucket.buffer()
+    work = timed_all_reduce(buffer.to(torch.bfloat16), allreduce_spans)
+    return work.get_future().then(
+        lambda future: buffer.copy_(future.value()[0]).div_(dist.get_world_size()))
+
+
+def timed_all_reduce(flat, allreduce_spans):
+    """Start the all_reduce (sum) of one flat bucket, with no wait; its start and end go to
+    allreduce_spans. The end is stamped in a callback of the work's future, which NCCL runs on a
+    stream that waits for the all-reduce (gloo: once it is done); neither makes the host wait."""
+    started = time_stamp()
+    work = dist.all_reduce(flat, async_op=True)
+    work.get_future().then(lambda _: allreduce_spans.append((started, time_stamp())))
+    return work
+
+
+def time_stamp():
+    """Now: on a GPU an event on the current stream, read at the log line; on a CPU the host
+    clock."""
+    if not torch.cuda.is_available():
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+# ----------------------------------------------------------------------------- 6. checkpoint
+
+CHECKPOINT_FILES = ["model.pt", "optimizer.pt", "train_state.pt", "checksums.json"]
+# keys a resumed run must share with its checkpoint (they shape the model), and the value a
+# checkpoint written before the key existed had
+MODEL_KEYS = {"model.type": None, "model.task": None, "model.n_layer": None, "model.n_head": None,
+              "model.n_embd": None, "model.pretrained": None, "model.intermediate_size": 0,
+              "model.tie_word_embeddings": "auto", "model.embedding_gpu_rows": 0}
+LOAD_ERRORS = (OSError, RuntimeError, KeyError, ValueError, EOFError, TypeError,
+               pickle.UnpicklingError)
+
+
+def save_checkpoint(run, optimizer, scheduler, scaler):
+    """Rank 0 writes the whole state: model, optimizer and train_state()."""
+    state = train_state(run, scheduler, scaler)
+    on_rank0(write_checkpoint, run.ckpt_dir, run.step, run.cfg.checkpoint.keep, run.raw_model,
+             optimizer, state)
+    log0(f"checkpoint {step_dir(run.ckpt_dir, run.step)} written")
+
+
+def train_state(run, scheduler, scaler):
+    """All a run needs to go on exactly beside the weights and the optimizer: step, data position,
+    every rank's random state, schedule, grad scaler, config; collective."""
+    if not weights_are_finite(run.raw_model):  # skipped steps keep this from happening
+        die(f"the weights are not finite at step {run.step}: no checkpoint written -> lower "
+            "optim.lr")
+    rng_states = [None] * dist.get_world_size()
+    dist.all_gather_object(rng_states, rng_state())
+    return {"step": run.step, "samples_seen": run.samples_seen, "rng": rng_states,
+            "tokens_seen": run.tokens_seen, "config": config_dict(run.cfg),
+            "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
+            "data_fingerprint": run.meta.get("fingerprint"), "world_size": dist.get_world_size()}
+
+
+def write_checkpoint(ckpt_dir, step, keep, raw_model, optimizer, state):
+    """Write into a temporary directory, then rename: a crash mid-write never leaves a checkpoint
+    that resume=auto would pick. The `latest` pointer moves only after the rename; old ones go
+    last."""
+    final = step_dir(ckpt_dir, step)
+    temporary = ckpt_dir / f".tmp-{final.name}-{os.getpid()}"
+    try:
+        temporary.mkdir(parents=True, exist_ok=True)
+        parts = [("model.pt", raw_model.state_dict()), ("optimizer.pt", optimizer.state_dict()),
+                 ("train_state.pt", state)]
+        for name, part in parts:
+            with open(temporary / name, "wb") as file:
+                torch.save(part, file)
+                file.flush()
+                os.fsync(file.fileno())  # the rename below must not reach the disk before the data
+            save_fault(step)  # FAULT
+        (temporary / "config.yaml").write_text(yaml.safe_dump(state["config"], sort_keys=False))
+        write_checksums(temporary, ["model.pt", "optimizer.pt", "train_state.pt"])
+        if final.exists():  # an incomplete leftover: resume refuses dirs with newer checkpoints
+            shutil.rmtree(final)
+        publish(temporary, final, keep)
+    except OSError as error:
+        die(f"cannot write checkpoint to {ckpt_dir} ({error}) -> free disk space or set "
+            "checkpoint.dir")
+
+
+def publish(temporary, final, keep):
+    """Rename into place, point `latest` at it, make both durable, then delete all but `keep`."""
+    fsync_dir(temporary)
+    os.rename(temporary, final)
+    pointer = final.parent / f".latest-{os.getpid()}"
+    pointer.write_text(final.name)
+    os.replace(pointer, final.parent / "latest")
+    fsync_dir(final.parent)  # the new checkpoint and pointer are on disk before any old one goes
+    for old in complete_checkpoints(final.parent)[:-keep]:
+        shutil.rmtree(old)
+
+
+def resume(resume_dir, run, optimizer, scheduler, scaler):
+    """Load a checkpoint into the model, optimizer, schedule and scaler, and the run's position."""
+    state = on_all_ranks(load_train_state, resume_dir, scheduler, scaler, run.cfg)
+    on_all_ranks(load_weights, resume_dir, run.raw_model, optimizer)
+    run.step, run.samples_seen, run.tokens_seen = (state[key] for key in
+                                                   ("step", "samples_seen", "tokens_seen"))
+    if run.step >= run.cfg.train.max_steps:
+        die(f"{resume_dir} is at step {run.step}, train.max_steps is {run.cfg.train.max_steps}: "
+            "nothing left to train -> raise train.max_steps to go on, or start afresh in a new "
+            "checkpoint.dir (or checkpoint.resume=never)")
+    restore_rng(state["rng"], dist.get_rank(), run.cfg.train.seed, run.step)
+    apply_settings(optimizer, scheduler, run.cfg, run.step)
+    changed = changed_settings(state["config"], run.cfg)
+    if changed:
+        log0(f"note: changed since the checkpoint, this run's values apply: {', '.join(changed)}")
+    if state.get("data_fingerprint") != run.meta.get("fingerprint"):
+        log0(f"warning: {run.cfg.data.dir} was rebuilt since {resume_dir} was written; the data "
+             "position may not match")
+    log0(f"resumed from {resume_dir}: step {run.step}, {run.samples_seen:,} samples, "
+         f"{run.tokens_seen:,} tokens seen")
+
+
+def load_train_state(path, scheduler, scaler, cfg):
+    """Step, data position, RNG, schedule and grad scaler, once the model's shape is known to match.
+    weights_only=True everywhere: a checkpoint is data, loading it must never run pickled code."""
+    try:
+        train_state = torch.load(path / "train_state.pt", weights_only=True)
+        saved_config, this_config = train_state["config"], config_dict(cfg)
+        for key, before_it_existed in MODEL_KEYS.items():
+            saved = saved_config.get(key, before_it_existed)
+            if saved != this_config[key]:
+                die(f"checkpoint {path} was trained with {key}={saved}, this run has "
+                    f"{key}={this_config[key]} -> pass {key}={saved}, or use another "
+                    "checkpoint.dir")
+        scheduler.load_state_dict(train_state["scheduler"])
+        scaler.load_state_dict(train_state["scaler"])
+    except LOAD_ERRORS as error:
+        die(f"cannot load checkpoint {path} ({unloadable(error)}) -> point checkpoint.resume at "
+            "another step_* directory, or use a new checkpoint.dir")
+    return train_state
+
+
+def load_weights(path, raw_model, optimizer):
+    try:
+        for name, part in [("model.pt", raw_model), ("optimizer.pt", optimizer)]:
+            part.load_state_dict(torch.load(path / name, weights_only=True, map_location="cpu"))
+    except LOAD_ERRORS as error:
+        die(f"cannot load checkpoint {path} ({unloadable(error)}) -> point checkpoint.resume at "
+            "another step_* directory, or use a new checkpoint.dir")
+
+
+def find_resume_checkpoint(ckpt_dir, resume):
+    """resume=auto: the newest intact checkpoint (the `latest` pointer first, then newest to oldest:
+    a damaged one is passed over, and the log says so); never; or a path, which must be intact."""
+    for leftover in [*ckpt_dir.glob(".tmp-step_*"), *ckpt_dir.glob(".latest-*")]:
+        log0(f"removing {leftover}, left by a run that stopped while writing a checkpoint")
+        shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
+    existing = complete_checkpoints(ckpt_dir)
+    if resume == "never" and existing:
+        die(f"{ckpt_dir} already holds checkpoints ({existing[-1].name}) and "
+            "checkpoint.resume=never would overwrite them -> continue with checkpoint.resume=auto "
+            "or choose another checkpoint.dir")
+    if resume in ("auto", "never"):
+        pointer = ckpt_dir / "latest"
+        pointed = [ckpt_dir / pointer.read_text().strip()] if pointer.is_file() else []
+        for candidate in [p for p in pointed if is_complete(p)] + existing[::-1]:
+            damage = checksum_mismatch(candidate)
+            if damage is None:
+                return candidate
+            log0(f"warning: {candidate} is damaged ({damage}); trying the next older checkpoint")
+        if existing:
+            die(f"every checkpoint in {ckpt_dir} is damaged -> move them away to start afresh, or "
+                "restore one")
+        return None
+    if not is_complete(Path(resume)):
+        die(f"checkpoint.resume={resume} is not a complete checkpoint directory (needs "
+            f"{', '.join(CHECKPOINT_FILES)}) -> give a step_* directory, auto or never")
+    damage = checksum_mismatch(Path(resume))
+    if damage:
+        die(f"checkpoint.resume={resume} is damaged ({damage}) -> give another step_* directory")
+    newer = [p.name for p in existing if step_of(p) > step_of(Path(resume))]
+    if newer:  # this run's checkpoints would interleave with them, and pruning could delete them
+        die(f"{ckpt_dir} holds checkpoints newer than {resume} ({', '.join(newer)}) -> set "
+            "checkpoint.dir to another directory for this run")
+    return Path(resume)
+
+
+def step_dir(ckpt_dir, step):
+    return ckpt_dir / f"step_{step:06d}"
+
+
+def step_of(path):
+    """A step_* directory's step as a number: as strings step_999900 sorts after step_1000000, and
+    pruning would then delete the newest checkpoints."""
+    match = re.fullmatch(r"step_(\d+)", path.name)
+    return int(match.group(1)) if match else -1
+
+
+def is_complete(path):
+    return path.is_dir() and all((path / name).is_file() for name in CHECKPOINT_FILES)
+
+
+def complete_checkpoints(ckpt_dir):
+    """The complete step_* directories of ckpt_dir, oldest first."""
+    return sorted((p for p in ckpt_dir.glob("step_*") if step_of(p) >= 0 and is_complete(p)),
+                  key=step_of)
+
+
+def file_checksum(path):
+    """CRC-32 of a file: it catches truncated and bit-flipped files (not forgery: what protects
+    against a malicious file is that loading never runs pickled code)."""
+    checksum = 0
+    with open(path, "rb") as file:
+        while piece := file.read(1 << 24):
+            checksum = zlib.crc32(piece, checksum)
+    return checksum
+
+
+def write_checksums(directory, names, known=None):
+    """checksums.json: the CRC-32 of each named file (known: ones computed elsewhere), synced."""
+    with open(directory / "checksums.json", "w") as file:
+        json.dump({**(known or {}), **{name: file_checksum(directory / name) for name in names}},
+                  file)
+        file.flush()
+        os.fsync(file.fileno())
+
+
+def checksum_mismatch(path):
+    """None if every file listed in path/checksums.json has its checksum, else what is wrong."""
+    try:
+        for name, expected in json.loads((path / "checksums.json").read_text()).items():
+            if not (path / name).is_file():
+                return f"{name} is missing"
+            if file_checksum(path / name) != expected:
+                return f"{name} does not match its checksum"
+    except (OSError, ValueError, AttributeError) as error:
+        return f"checksums.json is unreadable: {first_line(error)}"
+    return None
+
+
+def fsync_dir(path):
+    """A rename or a new file is durable only once its directory is synced too (POSIX)."""
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def check_shared_directory(ckpt_dir):
+    """Rank 0 writes a file of random name and content into ckpt_dir; every rank must find it."""
+    def write_marker():
+        try:
+            ckpt_dir.mkdir(parents=True, exist_ok=True)
+            (ckpt_dir / f".shared-{token}").write_text(token)
+        except OSError as error:
+            die(f"cannot write to checkpoint.dir={ckpt_dir} ({error}) -> set checkpoint.dir to a "
+                "writable directory")
+
+    def check_marker():
+        marker = ckpt_dir / f".shared-{token}"
+        if not marker.is_file() or marker.read_text() != token:
+            die(f"checkpoint.dir={ckpt_dir} is not the directory rank 0 writes to (its marker file "
+                "is not there) -> put checkpoint.dir on a filesystem every node mounts at the same "
+                "path")
+
+    token = on_rank0(secrets.token_hex, 8)
+    on_rank0(write_marker)
+    on_all_ranks(check_marker)
+    on_rank0((ckpt_dir / f".shared-{token}").unlink)
+
+
+def apply_settings(optimizer, scheduler, cfg, step):
+    """After a resume, this run's optimizer settings win over the checkpoint's."""
+    for group, weight_decay in zip(optimizer.param_groups, [cfg.optim.weight_decay, 0.0]):
+        group.update(betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps,
+                     initial_lr=cfg.optim.lr, weight_decay=weight_decay,
+                     lr=cfg.optim.lr * lr_factor(step, cfg))
+    scheduler.base_lrs = [cfg.optim.lr] * len(optimizer.param_groups)
+
+
+def changed_settings(saved_config, cfg):
+    """`key old -> new` for the training settings that differ from the checkpoint's."""
+    not_a_change = ("out_dir", "export", "data.dir", "checkpoint.", "log.", "dist.")
+    return [f"{key} {saved_config[key]} -> {value}" for key, value in config_dict(cfg).items()
+            if key in saved_config and saved_config[key] != value
+            and not key.startswith(not_a_change)]
+
+
+def weights_are_finite(raw_model):
+    """One wait for the GPU; only before a checkpoint or the export."""
+    return bool(torch.stack([torch.isfinite(p).all() for p in raw_model.parameters()]).all())
+
+
+def rng_state():
+    cuda = {"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {}
+    return {"torch": torch.get_rng_state(), **cuda}
+
+
+def restore_rng(saved_states, rank, seed, step):
+    """Each rank continues its own dropout stream; ranks the old run did not have get a new seed."""
+    if rank >= len(saved_states):
+        new_seed = np.random.SeedSequence([seed, rank, step]).generate_state(1)[0]
+        return torch.manual_seed(int(new_seed))
+    torch.set_rng_state(saved_states[rank]["torch"].cpu())
+    if "cuda" in saved_states[rank] and torch.cuda.is_available():
+        torch.cuda.set_rng_state(saved_states[rank]["cuda"].cpu())
 
 
 # ----------------------------------------------------------------------------- 1. config (helpers)
@@ -477,118 +705,71 @@ CHOICES = {
     "train.precision": ["auto", "bf16", "fp16", "fp32"],
     "train.compile": ["auto", "true", "false"],
     "dist.backend": ["auto", "nccl", "gloo"],
-    "dist.reducer": ["torch", "inline"],
+    "dist.reducer": ["torch", "inline", "naive"],
     "dist.grad_compression": ["none", "bf16"],
 }
-
-# What each number may be. A value of the right type can still train wrongly and exit 0: grad_clip=-1 flips
-# every gradient (clip_grad_norm_ multiplies by max_norm / norm), warmup_steps=-5 starts with a negative rate.
-AT_LEAST_1 = (lambda v: v >= 1, "of at least 1")
+# What each number may be: a value of the right type can still train wrongly and exit 0
+# (grad_clip=-1 flips every gradient, warmup_steps=-5 starts with a negative rate).
 RANGES = {
-    "model.n_layer": AT_LEAST_1,
-    "model.n_head": AT_LEAST_1,
-    "model.n_embd": AT_LEAST_1,
-    "model.dropout": (lambda v: 0 <= v < 1, "from 0 up to (not including) 1"),
-    "model.intermediate_size": (lambda v: v >= 0, "of at least 0 (0 = 4 x model.n_embd)"),
-    "model.embedding_gpu_rows": (lambda v: v >= 0, "of at least 0 (0 = the whole input embedding on the GPU)"),
-    "train.seq_len": (lambda v: v >= 3, "of at least 3 (a masked LM sample is [CLS] token [SEP])"),
-    "train.global_batch_size": AT_LEAST_1,
-    "train.micro_batch_size": AT_LEAST_1,
-    "train.max_steps": AT_LEAST_1,
-    "train.eval_every": AT_LEAST_1,
-    "train.eval_batches": AT_LEAST_1,
-    "train.mlm_probability": (lambda v: 0 < v < 1, "between 0 and 1"),
-    "train.pad_to_multiple": (lambda v: v >= 0, "of at least 0 (0 = pad every masked-LM batch to train.seq_len)"),
-    "train.max_bad_steps": AT_LEAST_1,
-    "optim.lr": (lambda v: v > 0, "above 0"),
-    "optim.min_lr": (lambda v: v >= 0, "of at least 0"),
-    "optim.warmup_steps": (lambda v: v >= 0, "of at least 0"),
-    "optim.weight_decay": (lambda v: v >= 0, "of at least 0"),
-    "optim.beta1": (lambda v: 0 <= v < 1, "from 0 up to (not including) 1"),
-    "optim.beta2": (lambda v: 0 <= v < 1, "from 0 up to (not including) 1"),
-    "optim.eps": (lambda v: v > 0, "above 0"),
-    "optim.grad_clip": (lambda v: v >= 0, "of at least 0 (0 = no clipping)"),
-    "checkpoint.every": (lambda v: v >= 0, "of at least 0 (0 = no checkpoints)"),
-    "checkpoint.keep": AT_LEAST_1,
-    "log.every": AT_LEAST_1,
-    "log.sample_tokens": (lambda v: v >= 0, "of at least 0"),
-    "log.peak_tflops": (lambda v: v >= 0, "of at least 0 (0 = look the GPU up)"),
-    "log.prometheus_port": (lambda v: 0 <= v <= 65535, "from 0 (off) to 65535"),
-    "dist.timeout_s": (lambda v: v > 0, "above 0"),
-    "dist.bucket_mb": (lambda v: v > 0, "above 0"),
+    **dict.fromkeys(["model.n_layer", "model.n_head", "model.n_embd", "train.global_batch_size",
+                     "train.micro_batch_size", "train.max_steps", "train.eval_every", "log.every",
+                     "train.eval_batches", "train.max_bad_steps", "checkpoint.keep"], (1, None)),
+    **dict.fromkeys(["optim.min_lr", "optim.warmup_steps", "optim.weight_decay", "log.peak_tflops",
+                     "model.intermediate_size", "model.embedding_gpu_rows", "optim.grad_clip",
+                     "train.pad_to_multiple", "checkpoint.every", "log.sample_tokens"], (0, None)),
+    **dict.fromkeys(["model.dropout", "optim.beta1", "optim.beta2"], (0, "below 1")),
+    **dict.fromkeys(["optim.lr", "optim.eps", "dist.timeout_s", "dist.bucket_mb"],
+                    ("above 0", None)),
+    "train.seq_len": (3, None),  # a masked-LM sample is [CLS] token [SEP]
+    "train.mlm_probability": ("above 0", "below 1"),
+    "log.prometheus_port": (0, 65535),
 }
 
 
-def flatten(tree, prefix=""):
-    flat = {}
-    for key, value in tree.items():
-        if isinstance(value, dict) and key != "cpu_preset":
-            flat.update(flatten(value, f"{prefix}{key}."))
-        else:
-            flat[prefix + key] = value
-    return flat
+def in_range(value, low, high):
+    """Whether value lies in (low, high): a number includes the bound, "above 0" and "below 1"
+    not."""
+    return ((low is None or (value > 0 if low == "above 0" else value >= low))
+            and (high is None or (value < 1 if high == "below 1" else value <= high)))
 
 
 class ConfigLoader(yaml.SafeLoader):
-    """YAML that reads 3e-4 as a float: PyYAML follows YAML 1.1, where a float needs a dot, so a
-    learning rate written 3e-4 would silently become the string '3e-4'."""
+    """YAML that reads 3e-4 as a float: PyYAML follows YAML 1.1, whose floats need a dot and a
+    signed exponent (1.0e-4), so 3e-4 or 1.0e5 would silently become strings."""
 
 
 ConfigLoader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$|^[-+]?(?:[0-9][0-9_]*)?\.[0-9_]+(?:[eE][-+]?[0-9]+)?$"),
-    list("-+0123456789."),
-)
-
-
-def parse_value(key, text, default):
-    """Give an override the type of its default: a typo such as lr=3e-4x fails here, not at step 1000."""
-    if isinstance(default, str):
-        value = text
-    else:
-        try:
-            value = yaml.load(text, Loader=ConfigLoader)
-        except yaml.YAMLError:
-            value = text
-        if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
-        if type(value) is not type(default):
-            die(f"{key}={text} is not a {type(default).__name__} -> give a value like {key}={default}")
-    if key in CHOICES and value not in CHOICES[key]:
-        die(f"{key}={text} is not one of {'|'.join(CHOICES[key])} -> pick one of those")
-    return value
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"
+               r"|^[-+]?(?:[0-9][0-9_]*)?\.[0-9_]+(?:[eE][-+]?[0-9]+)?$"),
+    list("-+0123456789."))
 
 
 def load_config(args, use_cuda):
-    """config.yaml, then the CPU preset when there is no GPU, then the command line's key=value."""
+    """DEFAULTS, then config.yaml beside this file (or the .yaml given first), then without a GPU
+    the CPU preset, then the command line's key=value; each value must have the type of its
+    default."""
+    flat, preset = flatten(DEFAULTS), dict(CPU_PRESET)
     config_path = Path(__file__).with_name("config.yaml")
     if args and args[0].endswith((".yaml", ".yml")):
         config_path, args = Path(args[0]), args[1:]
-    if not config_path.is_file():
-        die(f"config file {config_path} not found -> pass the path of a config.yaml as first argument")
-    try:
-        tree = yaml.load(config_path.read_text(), Loader=ConfigLoader)
-    except yaml.YAMLError as error:
-        mark = getattr(error, "problem_mark", None)
-        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "somewhere"
-        die(f"{config_path} is not valid YAML at {where} ({getattr(error, 'problem', None) or error}) -> fix that line")
-    if not isinstance(tree, dict):
-        die(f"{config_path} does not hold `key: value` sections -> start again from the config.yaml of this repository")
-    flat = flatten(tree)
-    cpu_preset = flat.pop("cpu_preset", None) or {}
-    overrides = {}
-    if not use_cuda:
-        overrides.update({key: str(value) for key, value in cpu_preset.items()})
+        if not config_path.is_file():
+            die(f"config file {config_path} not found -> give the path of a config.yaml")
+    if config_path.is_file():
+        tree = read_yaml(config_path)
+        preset = tree.pop("cpu_preset", preset) or {}
+        for key, value in flatten(tree).items():
+            flat[key] = typed(flat, key, value, " in the config file")
+    for key, value in preset.items() if not use_cuda else []:
+        flat[key] = typed(flat, key, value, " in cpu_preset")
     for arg in args:
         key, sep, text = arg.partition("=")
         if not sep:
             die(f"argument '{arg}' is not key=value -> write it like train.max_steps=100")
-        overrides[key] = text
-    for key, text in overrides.items():
-        if key not in flat:
-            nearest = difflib.get_close_matches(key, flat, n=1, cutoff=0.0)
-            die(f"unknown config key '{key}' -> did you mean '{nearest[0]}'?")
-        flat[key] = parse_value(key, text, flat[key])
+        if key in flat and not isinstance(flat[key], str):
+            with contextlib.suppress(yaml.YAMLError):
+                text = yaml.load(text, Loader=ConfigLoader)
+        flat[key] = typed(flat, key, text, "")
     tree = {}
     for key, value in flat.items():
         *sections, name = key.split(".")
@@ -596,56 +777,158 @@ def load_config(args, use_cuda):
         for section in sections:
             node = node.setdefault(section, {})
         node[name] = value
-    return SimpleNamespace(**{k: SimpleNamespace(**v) if isinstance(v, dict) else v for k, v in tree.items()})
+    return SimpleNamespace(**{k: SimpleNamespace(**v) if isinstance(v, dict) else v
+                              for k, v in tree.items()})
+
+
+def read_yaml(path):
+    try:
+        tree = yaml.load(path.read_text(), Loader=ConfigLoader)
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "somewhere"
+        die(f"{path} is not valid YAML at {where} ({getattr(error, 'problem', None) or error}) -> "
+            "fix that line")
+    if not isinstance(tree, dict):
+        die(f"{path} does not hold `key: value` sections -> start from this repository's "
+            "config.yaml")
+    return tree
+
+
+def typed(flat, key, value, where):
+    """`value` with the type of key's default: a typo such as lr=3e-4x fails now, not at step
+    1000."""
+    if key not in flat:
+        nearest = difflib.get_close_matches(key, flat, n=1, cutoff=0.0)[0]
+        die(f"unknown config key '{key}'{where} -> did you mean '{nearest}'?")
+    default = flat[key]
+    if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if type(value) is not type(default):
+        kind = "number" if where and type(default) in (int, float) else type(default).__name__
+        die(f"{key}={value}{where} is not a {kind} -> give a value like {key}={default}")
+    if key in CHOICES and value not in CHOICES[key]:
+        die(f"{key}={value} is not one of {'|'.join(CHOICES[key])} -> pick one of those")
+    return value
+
+
+def flatten(tree, prefix=""):
+    flat = {}
+    for key, value in tree.items():
+        flat.update(flatten(value, f"{prefix}{key}.") if isinstance(value, dict) else
+                    {prefix + key: value})
+    return flat
 
 
 def config_dict(cfg):
-    """The config as flat `section.key: value` pairs: what a checkpoint stores and --check prints."""
-    return flatten({key: vars(value) if isinstance(value, SimpleNamespace) else value for key, value in vars(cfg).items()})
+    """The config as flat `section.key: value` pairs: what a checkpoint stores and --check
+    prints."""
+    return flatten({key: vars(value) if isinstance(value, SimpleNamespace) else value
+                    for key, value in vars(cfg).items()})
 
 
 def check_config(cfg, world_size):
-    """Every number in its range and a global batch that splits evenly; returns micro-batches per step."""
-    values = config_dict(cfg)
-    for key, (is_valid, allowed) in RANGES.items():
-        value = values.get(key)
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            die(f"{key}={value} in the config file is not a number -> give it a value {allowed}")
-        if not is_valid(value):
-            die(f"{key}={value} is out of range -> give it a value {allowed}")
+    """Every number in its range and a global batch that splits evenly; returns micro-batches per
+    step."""
+    values, defaults = config_dict(cfg), flatten(DEFAULTS)
+    for key, (low, high) in RANGES.items():
+        if not in_range(values[key], low, high):
+            allowed = " and ".join(bound if isinstance(bound, str) else f"{word} {bound}"
+                                   for bound, word in [(low, "at least"), (high, "at most")]
+                                   if bound is not None)
+            die(f"{key}={values[key]} is out of range -> give it a value {allowed}")
+    for key, reason in NOT_HERE.items():
+        if values[key] != defaults[key]:
+            die(f"{key}={values[key]} is {OTHER_TRAINER}'s ({reason}) -> use {OTHER_TRAINER}, or "
+                f"leave {key} at {defaults[key]}")
     if cfg.optim.min_lr > cfg.optim.lr:
-        die(f"optim.min_lr={cfg.optim.min_lr} is above optim.lr={cfg.optim.lr} -> the decay ends at min_lr: lower it")
-    sequences_per_round = cfg.train.micro_batch_size * world_size
-    if cfg.train.global_batch_size % sequences_per_round:
-        nearest = max(1, round(cfg.train.global_batch_size / sequences_per_round)) * sequences_per_round
-        per_rank = cfg.train.global_batch_size // world_size if cfg.train.global_batch_size % world_size == 0 else 0
-        smaller = max((m for m in range(1, cfg.train.micro_batch_size) if per_rank % m == 0), default=0) if per_rank else 0
-        keep_batch = f"train.micro_batch_size={smaller} (the same global batch) or " if smaller else ""
-        die(f"train.global_batch_size={cfg.train.global_batch_size} is not a multiple of train.micro_batch_size "
-            f"x world size = {cfg.train.micro_batch_size} x {world_size} -> use e.g. {keep_batch}"
-            f"train.global_batch_size={nearest}")
-    return cfg.train.global_batch_size // sequences_per_round
+        die(f"optim.min_lr={cfg.optim.min_lr} is above optim.lr={cfg.optim.lr} -> the decay ends "
+            "at min_lr: lower it")
+    if cfg.dist.reducer == "naive" and cfg.dist.grad_compression != "none":
+        die("dist.reducer=naive sends fp32 gradients -> dist.reducer=inline or torch for bf16 ones")
+    per_round = cfg.train.micro_batch_size * world_size
+    if cfg.train.global_batch_size % per_round:
+        nearest = max(1, round(cfg.train.global_batch_size / per_round)) * per_round
+        per_rank = cfg.train.global_batch_size / world_size
+        smaller = max((m for m in range(1, cfg.train.micro_batch_size) if per_rank % m == 0),
+                      default=0)
+        keep = f"train.micro_batch_size={smaller} (the same global batch) or " if smaller else ""
+        die(f"train.global_batch_size={cfg.train.global_batch_size} is not a multiple of "
+            f"train.micro_batch_size x world size = {cfg.train.micro_batch_size} x {world_size} -> "
+            f"use e.g. {keep}train.global_batch_size={nearest}")
+    return cfg.train.global_batch_size // per_round
 
 
-# ----------------------------------------------------------------------------- 2. distributed init (helpers)
+# ----------------------------------------------------------------------------- 2. distributed init
+
+def init_distributed(cfg, world_size, rank, use_cuda):
+    """One process group for the run (NCCL on GPUs, gloo on CPUs); returns this rank's device."""
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if use_cuda else \
+        torch.device("cpu")
+    if use_cuda:
+        # without it every rank would build its NCCL communicator on GPU 0
+        torch.cuda.set_device(device)
+    backend = cfg.dist.backend if cfg.dist.backend != "auto" else ("nccl" if use_cuda else "gloo")
+    timeout = timedelta(seconds=cfg.dist.timeout_s)
+    if "RANK" not in os.environ:  # no torchrun: a group of one, so that the code has one path
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timeout)
+        return device
+    # torchrun's store outlives restarts: a restarted rank could read an address a dead rank left
+    # there. On one node every rank knows the attempt number, so each attempt gets keys of its own.
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun hosts it
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                          is_master=rank == 0 and not agent_store, timeout=timeout)
+    if int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) == world_size:
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.PrefixStore(f"attempt_{attempt}", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
+                            device_id=device if use_cuda else None)
+    return device
+
 
 def choose_precision(requested, device):
     if requested == "fp16" and device.type != "cuda":
-        die("train.precision=fp16 needs a CUDA GPU (GradScaler) -> use train.precision=fp32 or bf16 on CPU")
+        die("train.precision=fp16 needs a CUDA GPU (GradScaler) -> use fp32 or bf16 on a CPU")
     if requested != "auto":
         return requested
+    # Not torch.cuda.is_bf16_supported(): it says True on V100 and T4, which emulate bf16, so fp16
+    # and its GradScaler would never run where they are needed. bf16 tensor cores start with Ampere
+    # (8.0).
     if device.type != "cuda":
         return "fp32"
-    # Not torch.cuda.is_bf16_supported(): it also says True on V100 and T4 (bf16 emulated, no bf16 tensor
-    # cores), so fp16 with its GradScaler would never run where it is needed. bf16 tensor cores start with
-    # compute capability 8.0 (Ampere).
     return "bf16" if torch.cuda.get_device_capability(device) >= (8, 0) else "fp16"
 
 
+
+class UserError(Exception):
+    """A foreseeable mistake (bad config, missing data, unreadable checkpoint): one clear line."""
+
+
+def die(message):
+    raise UserError(message)
+
+
+def first_line(error):
+    """An exception's first line, for a one-line message (some exceptions have an empty text)."""
+    return (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+
+
+def unloadable(error):
+    if isinstance(error, pickle.UnpicklingError):  # weights_only=True met pickled code: never run
+        return "it holds pickled objects other than tensors and plain data; loading refuses them"
+    return first_line(error)
+
+
+def log0(*values):
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(*values, flush=True)
+
+
 def on_rank0(function, *args, share_result=True):
-    """Run `function` on rank 0 alone and hand its result to every rank (share_result=False: only rank 0
-    gets it, the others None); if it fails, every rank stops with its message (a failure on rank 0 alone
-    would leave the others waiting in their next collective until the timeout)."""
+    """Run `function` on rank 0 alone and hand its result to every rank (share_result=False: the
+    others get None); if it fails, every rank stops with its message: a failure on rank 0 alone
+    would leave the others waiting in their next collective until the timeout."""
     result, outcome = None, [None, None]
     if dist.get_rank() == 0:
         try:
@@ -660,8 +943,8 @@ def on_rank0(function, *args, share_result=True):
 
 
 def on_all_ranks(function, *args):
-    """Run `function` on every rank; if it fails on any rank, every rank stops, and rank 0 prints that rank's
-    message (a file only one node cannot read would otherwise be reported by nobody)."""
+    """Run `function` on every rank; if it fails on any, every rank stops and rank 0 prints that
+    rank's message (a file that only one node cannot read would otherwise be reported by nobody)."""
     result, error = None, None
     try:
         result = function(*args)
@@ -671,133 +954,135 @@ def on_all_ranks(function, *args):
     dist.all_gather_object(errors, error)
     failed = [(failed_rank, message) for failed_rank, message in enumerate(errors) if message]
     if failed:
-        failed_rank, message = failed[0]
-        die(message if dist.get_world_size() == 1 else f"rank {failed_rank}: {message}")
+        die(failed[0][1] if dist.get_world_size() == 1 else f"rank {failed[0][0]}: {failed[0][1]}")
     return result
 
 
 # ----------------------------------------------------------------------------- 3. data (helpers)
 
 def read_meta(data_dir):
-    meta_path = data_dir / "meta.json"
-    if not meta_path.is_file():
-        die(f"no prepared data in {data_dir} (meta.json missing) -> run: python preprocess.py --out {data_dir}")
+    path, rebuild = data_dir / "meta.json", f"python preprocess.py --out {data_dir} --force"
+    if not path.is_file():
+        die(f"no prepared data in {data_dir} (meta.json missing) -> run: python preprocess.py "
+            f"--out {data_dir}")
     try:
-        meta = json.loads(meta_path.read_text())
+        meta = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as error:
-        die(f"{meta_path} is unreadable ({error}) -> rebuild it: python preprocess.py --out {data_dir} --force")
+        die(f"{path} is unreadable ({error}) -> rebuild it: {rebuild}")
     if not isinstance(meta, dict) or meta.get("format_version") != 1:
         version = meta.get("format_version") if isinstance(meta, dict) else None
-        die(f"{meta_path} has format version {version}, this trainer reads 1 -> rebuild with --force")
+        die(f"{path} has format version {version}, this trainer reads 1 -> rebuild with --force")
     splits, special = meta.get("splits"), meta.get("special_tokens")
-    if (not isinstance(splits, dict) or not all(isinstance(splits.get(name), dict) and isinstance(splits[name].get("files"), list)
-                                                for name in ("train", "val"))
-            or not isinstance(meta.get("vocab_size"), int) or not isinstance(special, dict)
-            or not all(isinstance(special.get(role), int) for role in ("eot", "pad", "mask", "cls", "sep"))):
-        die(f"{meta_path} lacks splits.train/val.files, vocab_size or special_tokens (eot, pad, mask, cls, sep) -> "
-            f"rebuild it: python preprocess.py --out {data_dir} --force")
+    if not (isinstance(splits, dict) and isinstance(meta.get("vocab_size"), int)
+            and all(isinstance(splits.get(s), dict) and isinstance(splits[s].get("files"), list)
+                    for s in ("train", "val"))
+            and isinstance(special, dict)
+            and all(isinstance(special.get(role), int)
+                    for role in ("eot", "pad", "mask", "cls", "sep"))):
+        die(f"{path} lacks splits.train/val.files, vocab_size or special_tokens (eot, pad, mask, "
+            f"cls, sep) -> rebuild it: {rebuild}")
     return meta
 
 
 class ArrowTokens:
-    """Samples of one split, read straight from memory-mapped Arrow files: the tokens are never copied into
-    memory as a whole (the epoch permutation, though, holds 8 bytes per sample on every rank).
+    """The samples of one split, read straight from memory-mapped Arrow files: the tokens are never
+    copied into memory as a whole (the epoch's permutation holds 8 bytes per sample, though). Causal
+    LM: every row ends with end-of-text, so the flat values are the concatenated token stream, and
+    sample i is the block stream[i*L : i*L + L + 1] (inputs and shifted labels). Masked LM: sample i
+    is document i, truncated to L - 2 and framed as [CLS] doc [SEP]."""
 
-    Causal LM: every row already ends with end-of-text, so the column's flat values are the
-    concatenated token stream; sample i is the block stream[i*L : i*L + L + 1] (inputs and shifted labels).
-    Masked LM: sample i is document i, truncated to L - 2 and framed as [CLS] doc [SEP].
-    """
-
-    def __init__(self, data_dir, meta, split, task, seq_len, special):
-        self.task, self.seq_len, self.special, self.vocab_size = task, seq_len, special, meta["vocab_size"]
+    def __init__(self, data_dir, meta, split, task, seq_len):
+        self.task, self.seq_len, self.vocab_size = task, seq_len, meta["vocab_size"]
+        self.special = meta["special_tokens"]
         self.pieces, self.piece_starts, self.doc_offsets = [], [], []
-        stream_length = 0
+        rebuild, stream_length = f"-> rebuild: python preprocess.py --out {data_dir} --force", 0
         for name in meta["splits"][split]["files"]:
             try:
                 table = pa.ipc.open_file(pa.memory_map(str(data_dir / name))).read_all()
             except (OSError, pa.ArrowInvalid) as error:
-                die(f"cannot read {data_dir / name} ({error}) -> rebuild: python preprocess.py --out {data_dir} --force")
+                die(f"cannot read {data_dir / name} ({error}) {rebuild}")
             if "input_ids" not in table.column_names:
-                die(f"{data_dir / name} has no input_ids column -> rebuild: python preprocess.py --out {data_dir} --force")
-            for chunk in table.column("input_ids").chunks:
-                if len(chunk) == 0:
-                    continue
-                largest = pa.compute.max(chunk.values).as_py()  # one pass over the tokens, in Arrow's C++
+                die(f"{data_dir / name} has no input_ids column {rebuild}")
+            for chunk in (chunk for chunk in table.column("input_ids").chunks if len(chunk)):
+                largest = pa.compute.max(chunk.values).as_py()  # one pass, in Arrow's C++
                 if largest is not None and largest >= self.vocab_size:
-                    die(f"{data_dir / name} holds token id {largest}, but the vocabulary has {self.vocab_size} "
-                        f"tokens -> rebuild the data with its tokenizer: python preprocess.py --out {data_dir} --force")
+                    die(f"{data_dir / name} holds token id {largest}, but the vocabulary has "
+                        f"{self.vocab_size} tokens {rebuild}")
                 self.pieces.append(chunk.values.to_numpy(zero_copy_only=True))
                 self.doc_offsets.append(chunk.offsets.to_numpy())
                 self.piece_starts.append(stream_length)
                 stream_length += len(self.pieces[-1])
         self.doc_starts = np.cumsum([0] + [len(offsets) - 1 for offsets in self.doc_offsets])
-        self.num_samples = (max(0, stream_length - 1) // seq_len) if task == "causal" else int(self.doc_starts[-1])
+        self.num_samples = max(0, stream_length - 1) // seq_len
+        if task == "mlm":  # MLM
+            self.num_samples = int(self.doc_starts[-1])  # MLM
+        if self.num_samples == 0:
+            die(f"the {split} split of {data_dir} has no {task} samples of seq_len {seq_len} -> "
+                "prepare more text with preprocess.py, lower train.seq_len or raise "
+                "data.val_fraction")
 
     def __len__(self):
         return self.num_samples
 
     def span(self, start, length):
-        """length tokens of the stream from start, crossing shard boundaries if needed."""
-        out = np.empty(length, dtype=np.int64)
-        filled = 0
+        """`length` tokens of the stream from `start`, across shard boundaries if need be."""
+        out, filled = np.empty(length, dtype=np.int64), 0
         piece = int(np.searchsorted(self.piece_starts, start, side="right")) - 1
         while filled < length:
             offset = start + filled - self.piece_starts[piece]
             taken = self.pieces[piece][offset:offset + length - filled]
             out[filled:filled + len(taken)] = taken
-            filled += len(taken)
-            piece += 1
+            filled, piece = filled + len(taken), piece + 1
         return out
 
-    def document(self, index):  # MLM
-        piece = int(np.searchsorted(self.doc_starts, index, side="right")) - 1
-        row = index - self.doc_starts[piece]
-        begin, end = self.doc_offsets[piece][row], self.doc_offsets[piece][row + 1] - 1  # drop end-of-text
-        return self.pieces[piece][begin:min(end, begin + self.seq_len - 2)]
-
     def length(self, index):
-        """Input tokens of sample `index`, without reading its tokens."""
-        if self.task == "causal":
-            return self.seq_len
-        piece = int(np.searchsorted(self.doc_starts, index, side="right")) - 1  # MLM
-        row = index - self.doc_starts[piece]  # MLM
-        return min(int(self.doc_offsets[piece][row + 1] - self.doc_offsets[piece][row]) - 1, self.seq_len - 2) + 2  # MLM
+        """The input tokens of sample `index`, without reading its tokens."""
+        if self.task == "mlm":  # MLM
+            offsets, row = self.document(index)  # MLM
+            return min(int(offsets[row + 1] - offsets[row]) - 1, self.seq_len - 2) + 2  # MLM
+        return self.seq_len
 
     def sample(self, index):
-        if self.task == "causal":
-            return self.span(index * self.seq_len, self.seq_len + 1)
-        doc = self.document(index).astype(np.int64)  # MLM
-        return np.concatenate([[self.special["cls"]], doc, [self.special["sep"]]])  # MLM
+        if self.task == "mlm":  # MLM
+            offsets, row = self.document(index)  # MLM
+            begin = offsets[row]  # MLM
+            end = min(offsets[row + 1] - 1, begin + self.seq_len - 2)  # MLM: without end-of-text
+            doc = self.pieces[self.doc_piece(index)][begin:end]  # MLM
+            return np.concatenate([[self.special["cls"]], doc, [self.special["sep"]]])  # MLM
+        return self.span(index * self.seq_len, self.seq_len + 1)
+
+    def doc_piece(self, index):  # MLM
+        return int(np.searchsorted(self.doc_starts, index, side="right")) - 1  # MLM
+
+    def document(self, index):  # MLM
+        piece = self.doc_piece(index)  # MLM
+        return self.doc_offsets[piece], index - self.doc_starts[piece]  # MLM
 
 
 _permutation_cache = {}
 
 
 def epoch_permutation(seed, epoch, num_samples):
-    """The sample order of one epoch: a function of (seed, epoch) only, never of rank or world size."""
+    """The sample order of one epoch: a function of (seed, epoch) only, never of rank or world
+    size."""
     key = (seed, epoch, num_samples)
     if key not in _permutation_cache:
-        _permutation_cache.clear()  # keep one epoch; a batch spanning two epochs recomputes the previous
+        _permutation_cache.clear()  # keep one epoch; a batch across two recomputes the previous
         _permutation_cache[key] = np.random.default_rng([seed, epoch]).permutation(num_samples)
     return _permutation_cache[key]
 
 
-def global_batch_plan(position, global_batch_size, num_samples, seed, micro_batch_size, world_size, length_of=None):
+def global_batch_plan(position, global_batch_size, num_samples, seed, micro_batch_size, world_size,
+                      length_of=None):
     """Split the global batch that starts at `position` (samples consumed so far, over all epochs)
-    into micro-batches: returns plan[rank] = [(sample_ids, epochs), ...] in accumulation order.
-
-    The position counts global samples, so a run resumed on a different number of ranks continues
-    with exactly the samples the old run would have seen. seed=None reads samples in order
-    (validation). With length_of (masked LM), the batch is sorted by length before it is cut into
-    micro-batches, so each one pads little; micro-batches are dealt round-robin so every rank gets
-    a mix of short and long ones.
-    """
-    positions = np.arange(position, position + global_batch_size)
-    epochs, indices = np.divmod(positions, num_samples)
-    if seed is None:
-        sample_ids = indices
-    else:
-        sample_ids = np.array([epoch_permutation(seed, e, num_samples)[i] for e, i in zip(epochs, indices)])
+    into micro-batches: plan[rank] = [(sample_ids, epochs), ...] in accumulation order. The position
+    counts global samples, so a run resumed on another number of ranks goes on with exactly the
+    samples the old run would have seen. seed=None reads samples in order (validation). With
+    length_of (masked LM) the batch is sorted by length before it is cut, so each micro-batch pads
+    little; micro-batches are dealt round-robin, so every rank gets short and long ones."""
+    epochs, indices = np.divmod(np.arange(position, position + global_batch_size), num_samples)
+    sample_ids = indices if seed is None else np.array(
+        [epoch_permutation(seed, e, num_samples)[i] for e, i in zip(epochs, indices)])
     if length_of is not None:  # MLM
         order = sorted(range(global_batch_size), key=lambda k: (length_of(sample_ids[k]), k))  # MLM
         sample_ids, epochs = sample_ids[order], epochs[order]  # MLM
@@ -808,137 +1093,163 @@ def global_batch_plan(position, global_batch_size, num_samples, seed, micro_batc
     return plan
 
 
+def step_batches(run, position):
+    """This rank's micro-batches of the training step that starts at sample `position`."""
+    batches = rank_batches(run.train_data, position, run.cfg.train.seed, run.cfg,
+                           dist.get_world_size(), dist.get_rank(), run.device)
+    stage_tiered(run.raw_model, run.train_data, position, batches, run.cfg)  # tiered
+    return batches
+
+
 def rank_batches(split_data, position, shuffle_seed, cfg, world_size, rank, device):
-    """This rank's micro-batches of the global batch that starts at sample `position`; the input and label
-    token counts of the whole global batch, and the sample lengths of each of its micro-batches (for its
-    FLOPs), which every rank computes alike from the shared plan."""
+    """This rank's micro-batches of the global batch at sample `position`, and the input and label
+    token counts of the whole global batch and each micro-batch's sample lengths (for its FLOPs):
+    every rank computes these alike from the shared plan."""
     is_mlm = split_data.task == "mlm"
     plan = global_batch_plan(position, cfg.train.global_batch_size, len(split_data), shuffle_seed,
-                             cfg.train.micro_batch_size, world_size, split_data.length if is_mlm else None)
-    every_sample = [(int(i), int(e)) for rank_plan in plan for ids, epochs in rank_plan for i, e in zip(ids, epochs)]
-    micro_batch_lengths = [[split_data.length(int(i)) for i in ids] for rank_plan in plan for ids, _ in rank_plan]
-    input_tokens = sum(map(sum, micro_batch_lengths))
-    label_tokens = len(every_sample) * split_data.seq_len  # causal LM: every position is predicted
+                             cfg.train.micro_batch_size, world_size,
+                             split_data.length if is_mlm else None)
+    lengths = [[split_data.length(int(i)) for i in ids]
+               for rank_plan in plan for ids, _ in rank_plan]
+    label_tokens = cfg.train.global_batch_size * split_data.seq_len  # causal: every position
     if is_mlm:  # MLM: the masked positions, drawn exactly as make_micro_batch will draw them
-        sample_ids, epochs = (np.array(column, dtype=np.int64) for column in zip(*every_sample))
-        lengths = np.array([length for lengths in micro_batch_lengths for length in lengths])
-        label_tokens = int(masked_positions(cfg.train.seed, epochs, sample_ids, lengths, split_data.seq_len,
-                                            cfg.train.mlm_probability).sum())
-    micro_batches = [make_micro_batch(split_data, ids, epochs, cfg, split_data.special, device)
+        pairs = [pair for rank_plan in plan for pair in rank_plan]  # MLM
+        ids, epochs = (np.concatenate([pair[k] for pair in pairs]) for k in (0, 1))  # MLM
+        masked = masked_positions(cfg.train.seed, epochs, ids, np.concatenate(lengths),  # MLM
+                                  split_data.seq_len, cfg.train.mlm_probability)  # MLM
+        label_tokens = int(masked.sum())  # MLM
+    micro_batches = [make_micro_batch(split_data, ids, epochs, cfg, device)
                      for ids, epochs in plan[rank]]
-    return micro_batches, input_tokens, label_tokens, micro_batch_lengths
+    return micro_batches, sum(map(sum, lengths)), label_tokens, lengths
 
 
-def mlm_uniforms(seed, epochs, sample_ids, positions, use):  # MLM
-    """One float in [0, 1) per (epoch, sample, position), the three broadcast against each other, for one use
-    (0: is the position masked, 1: what replaces it, 2: which random token): a hash of (seed, epoch, sample,
-    position, use) alone, so the masking does not depend on the rank or micro-batch that happens to process a
-    sample, and a whole micro-batch is drawn in a few vectorised operations (a numpy Generator per sample took
-    38 us to make on our CPU machine, and BERT-base's bench step would need 256 of them on every rank for the
-    label count alone). The hash: splitmix64's mixing function (Steele, Lea and Flood, OOPSLA 2014)
-    after each part; the top 53 bits of the last make the float."""
-    mixed = np.full(np.broadcast_shapes(np.shape(epochs), np.shape(sample_ids), np.shape(positions)), seed,
-                    dtype=np.uint64)
-    for part in (epochs, sample_ids, np.asarray(positions) * 4 + use):
-        mixed = splitmix64(mixed ^ np.asarray(part, dtype=np.uint64))
-    return (splitmix64(mixed) >> np.uint64(11)).astype(np.float64) * 2.0**-53
-
-
-def splitmix64(values):  # MLM
-    values = values + np.uint64(0x9E3779B97F4A7C15)  # numpy's uint64 arrays wrap around, as the hash wants
-    values = (values ^ (values >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    values = (values ^ (values >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return values ^ (values >> np.uint64(31))
-
-
-def masked_positions(seed, epochs, sample_ids, lengths, width, probability):  # MLM
-    """Which positions BERT predicts, one row per sample (`width` columns): never [CLS] (position 0), [SEP]
-    (length - 1) or the padding after it; each other position with `probability`."""
-    positions = np.arange(width)
-    candidates = (positions >= 1) & (positions <= lengths[:, None] - 2)
-    return candidates & (mlm_uniforms(seed, epochs[:, None], sample_ids[:, None], positions, 0) < probability)
-
-
-def mask_tokens(tokens, lengths, seed, epochs, sample_ids, special, vocab_size, probability):  # MLM
-    """BERT's masking of a padded micro-batch (a row of token ids per sample): the inputs and the labels."""
-    chosen = masked_positions(seed, epochs, sample_ids, lengths, tokens.shape[1], probability)
-    labels = np.where(chosen, tokens, IGNORE_INDEX)
-    positions = np.arange(tokens.shape[1])
-    action = mlm_uniforms(seed, epochs[:, None], sample_ids[:, None], positions, 1)
-    inputs = np.where(chosen & (action < 0.8), special["mask"], tokens)  # 80% [MASK]
-    replaced = chosen & (action >= 0.8) & (action < 0.9)  # 10% a random token, 10% unchanged
-    random_tokens = mlm_uniforms(seed, epochs[:, None], sample_ids[:, None], positions, 2) * vocab_size
-    inputs[replaced] = random_tokens[replaced].astype(np.int64)
-    return inputs, labels
-
-
-def make_micro_batch(split_data, sample_ids, epochs, cfg, special, device):
+def make_micro_batch(split_data, sample_ids, epochs, cfg, device):
     samples = [split_data.sample(int(i)) for i in sample_ids]
     if split_data.task == "causal":
         blocks = torch.from_numpy(np.stack(samples))
-        input_ids, labels, attention_mask = blocks[:, :-1], blocks[:, 1:], None
-    else:  # MLM: to seq_len (train.pad_to_multiple=0), or to the longest sample of this micro-batch, rounded up
-        lengths = np.array([len(sample) for sample in samples])
-        length = padded_length(lengths.max(), cfg.train.pad_to_multiple, split_data.seq_len)
-        tokens = np.full((len(samples), length), special["pad"], dtype=np.int64)
-        for row, sample in enumerate(samples):
-            tokens[row, :len(sample)] = sample
-        masked, target = mask_tokens(tokens, lengths, cfg.train.seed, np.asarray(epochs, dtype=np.int64),
-                                     np.asarray(sample_ids, dtype=np.int64), special, split_data.vocab_size,
-                                     cfg.train.mlm_probability)
-        input_ids, labels = torch.from_numpy(masked), torch.from_numpy(target)
-        attention_mask = torch.from_numpy((np.arange(length) < lengths[:, None]).astype(np.int64))
-    batch = {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
-    if device.type == "cuda":  # a copy from pageable memory makes the host wait for the GPU; from pinned it does not
-        batch = {key: value.pin_memory().to(device, non_blocking=True) if value is not None else None
+        batch = {"input_ids": blocks[:, :-1], "labels": blocks[:, 1:], "attention_mask": None}
+    if split_data.task == "mlm":  # MLM
+        batch = mask_micro_batch(split_data, samples, sample_ids, epochs, cfg)  # MLM
+    host_input_ids = batch["input_ids"]  # kept on the host: what it holds is known without a wait
+    if device.type == "cuda":  # a copy from pageable memory makes the host wait; from pinned not
+        batch = {key: None if value is None else value.pin_memory().to(device, non_blocking=True)
                  for key, value in batch.items()}
     if split_data.task == "mlm" and 0 < cfg.train.pad_to_multiple < split_data.seq_len:  # MLM
-        # One compiled graph for all lengths from the first step. Unmarked, Dynamo compiles the model and the loss
-        # for the first length alone and again at the second, then with the length dynamic (automatic dynamic
-        # shapes): 5 graphs instead of 3, counted on CPU (test_masked_lm_compiles_one_graph_for_all_padded_lengths
-        # checks the 3). Guards that vary with the length (on CUDA maybe length % 8: see config.yaml) add graphs
-        # per function up to torch._dynamo.config.recompile_limit (8 in torch 2.13); past it Dynamo runs that
-        # function eagerly (one warning). maybe_: a torch that specializes the length anyway recompiles instead of
-        # stopping the run.
-        for key in ("input_ids", "labels", "attention_mask"):
-            torch._dynamo.maybe_mark_dynamic(batch[key], 1)
-    batch["host_input_ids"] = input_ids  # tiered: the host picks the CPU rows to copy without asking the GPU
-    return batch
+        batch = {key: dynamic_length(value) for key, value in batch.items()}  # MLM
+    return {**batch, "host_input_ids": host_input_ids}
 
 
-def padded_length(longest, pad_to_multiple, seq_len):  # MLM
-    """The length a masked-LM micro-batch is padded to: its longest sample rounded up to a multiple of
-    train.pad_to_multiple, at most seq_len; seq_len itself with 0."""
+def token_loss_sum(logits, labels):
+    """Summed (not mean) cross-entropy, in fp32: the caller decides what to divide by."""
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
+                           ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def loss_function(cfg, task, use_compile):
+    """token_loss_sum, compiled on its own: the fp32 upcast, log-softmax and gather fuse."""
+    loss_of = torch.compile(token_loss_sum) if use_compile else token_loss_sum
+    if task == "mlm" and 0 < cfg.train.pad_to_multiple < cfg.train.seq_len:  # MLM: one graph for
+        return lambda logits, labels: loss_of(dynamic_length(logits), labels)  # MLM: every length
+    return loss_of
+
+
+# ============================================================================== MLM: begin
+# Masked-LM models (BERT, RoBERTa, ...). Delete this block and the lines tagged # MLM for a trainer
+# of causal language models only.
+
+def mask_micro_batch(split_data, samples, sample_ids, epochs, cfg):
+    """A masked-LM micro-batch: padded to seq_len (train.pad_to_multiple=0), or to its longest
+    sample rounded up to a multiple of it, with BERT's masking."""
+    lengths = np.array([len(sample) for sample in samples])
+    length = padded_length(lengths.max(), cfg.train.pad_to_multiple, split_data.seq_len)
+    tokens = np.full((len(samples), length), split_data.special["pad"], dtype=np.int64)
+    for row, sample in enumerate(samples):
+        tokens[row, :len(sample)] = sample
+    inputs, labels = mask_tokens(tokens, lengths, cfg.train.seed,
+                                 np.asarray(epochs, dtype=np.int64),
+                                 np.asarray(sample_ids, dtype=np.int64), split_data.special,
+                                 split_data.vocab_size, cfg.train.mlm_probability)
+    attention_mask = (np.arange(length) < lengths[:, None]).astype(np.int64)
+    return {"input_ids": torch.from_numpy(inputs), "labels": torch.from_numpy(labels),
+            "attention_mask": torch.from_numpy(attention_mask)}
+
+
+def dynamic_length(tensor):
+    """Mark dimension 1 (the length) dynamic, so one compiled graph serves every padded length.
+    Unmarked, Dynamo compiles the first length as a constant and again at the second. maybe_: a
+    torch that specializes the length anyway recompiles instead of failing."""
+    torch._dynamo.maybe_mark_dynamic(tensor, 1)
+    return tensor
+
+
+def padded_length(longest, pad_to_multiple, seq_len):
+    """The longest sample rounded up to a multiple of pad_to_multiple, at most seq_len; 0:
+    seq_len."""
     if pad_to_multiple == 0:
         return seq_len
     return min(-(-longest // pad_to_multiple) * pad_to_multiple, seq_len)
 
 
-def token_loss_sum(logits, labels):
-    """Summed (not mean) cross-entropy, in fp32: the caller decides what to divide by."""
-    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+def mask_tokens(tokens, lengths, seed, epochs, sample_ids, special, vocab_size, probability):
+    """BERT's masking of a padded micro-batch (a row of token ids per sample): inputs and labels."""
+    chosen = masked_positions(seed, epochs, sample_ids, lengths, tokens.shape[1], probability)
+    positions = np.arange(tokens.shape[1])
+    uniforms = [mlm_uniforms(seed, epochs[:, None], sample_ids[:, None], positions, use)
+                for use in (1, 2)]
+    inputs = np.where(chosen & (uniforms[0] < 0.8), special["mask"], tokens)  # 80% [MASK]
+    replaced = chosen & (uniforms[0] >= 0.8) & (uniforms[0] < 0.9)  # 10% a random token, 10% kept
+    inputs[replaced] = (uniforms[1][replaced] * vocab_size).astype(np.int64)
+    return inputs, np.where(chosen, tokens, IGNORE_INDEX)
+
+
+def masked_positions(seed, epochs, sample_ids, lengths, width, probability):
+    """Which positions BERT predicts, a row per sample: never [CLS] (position 0), [SEP] (length - 1)
+    or the padding after it; each other position with `probability`."""
+    positions = np.arange(width)
+    candidates = (positions >= 1) & (positions <= lengths[:, None] - 2)
+    uniforms = mlm_uniforms(seed, epochs[:, None], sample_ids[:, None], positions, 0)
+    return candidates & (uniforms < probability)
+
+
+def mlm_uniforms(seed, epochs, sample_ids, positions, use):
+    """A float in [0, 1) per (epoch, sample, position), broadcast against each other, for one use
+    (0: masked?, 1: replaced by what, 2: which random token): a hash of (seed, epoch, sample,
+    position, use) alone, so the masking does not depend on which rank or micro-batch holds a
+    sample, and a micro-batch is drawn in a few vectorised operations. splitmix64's mixing after
+    each part."""
+    shape = np.broadcast_shapes(np.shape(epochs), np.shape(sample_ids), np.shape(positions))
+    mixed = np.full(shape, seed, dtype=np.uint64)
+    for part in (epochs, sample_ids, np.asarray(positions) * 4 + use):
+        mixed = splitmix64(mixed ^ np.asarray(part, dtype=np.uint64))
+    return (splitmix64(mixed) >> np.uint64(11)).astype(np.float64) * 2.0**-53  # the top 53 bits
+
+
+def splitmix64(values):
+    values = values + np.uint64(0x9E3779B97F4A7C15)  # numpy's uint64 arithmetic wraps, as wanted
+    values = (values ^ (values >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    values = (values ^ (values >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return values ^ (values >> np.uint64(31))
+
+
+def is_masked_lm_type(cfg):
+    model_type = load_pretrained_config(cfg.model.pretrained).model_type if cfg.model.pretrained \
+        else cfg.model.type
+    return model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES
+# ============================================================================== MLM: end
 
 
 # ----------------------------------------------------------------------------- 4. model (helpers)
 
-def is_masked_lm_type(cfg):
-    model_type = cfg.model.type
-    if cfg.model.pretrained:
-        model_type = load_pretrained_config(cfg.model.pretrained).model_type
-    return model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES
-
-
 def load_pretrained_config(path):
     try:
-        return AutoConfig.from_pretrained(path, local_files_only=True)  # no hub download: offline machines
+        return AutoConfig.from_pretrained(path, local_files_only=True)  # offline: never the hub
     except (OSError, ValueError) as error:
         die(f"cannot read a transformers config from model.pretrained={path} ({first_line(error)}) "
             "-> give a local directory holding config.json and the weights")
 
 
-def build_model(cfg, task, padded_vocab_size, special, device):
-    """A new model from a transformers config, or a local pretrained one; fp32 master weights."""
-    attention = choose_attention(cfg.model.attention, device, task)
+def model_config(cfg, padded_vocab, special):
+    """The transformers config: the pretrained model's, or a new one of the shape in model.*."""
     if cfg.model.pretrained:
         config = load_pretrained_config(cfg.model.pretrained)
         if getattr(config, "max_position_embeddings", cfg.train.seq_len) < cfg.train.seq_len:
@@ -946,67 +1257,76 @@ def build_model(cfg, task, padded_vocab_size, special, device):
                 f"train.seq_len is {cfg.train.seq_len} -> lower train.seq_len")
     else:
         if cfg.model.n_embd % cfg.model.n_head:
-            die(f"model.n_embd={cfg.model.n_embd} is not divisible by model.n_head={cfg.model.n_head} "
-                "-> change one of them")
+            die(f"model.n_embd={cfg.model.n_embd} is not divisible by model.n_head="
+                f"{cfg.model.n_head} -> change one of them")
         try:
             config = AutoConfig.for_model(
-                cfg.model.type, vocab_size=padded_vocab_size, hidden_size=cfg.model.n_embd,
+                cfg.model.type, vocab_size=padded_vocab, hidden_size=cfg.model.n_embd,
                 num_hidden_layers=cfg.model.n_layer, num_attention_heads=cfg.model.n_head,
                 max_position_embeddings=cfg.train.seq_len, pad_token_id=special["pad"],
-                bos_token_id=special["eot"], eos_token_id=special["eot"],
-            )
+                bos_token_id=special["eot"], eos_token_id=special["eot"])
         except ValueError as error:
-            die(f"model.type={cfg.model.type} is not a transformers model type ({first_line(error)}) "
-                "-> use e.g. gpt2, llama, bert or roberta")
-        if hasattr(config, "intermediate_size"):  # models that have one default to their own, much larger size
+            die(f"model.type={cfg.model.type} is not a transformers model type "
+                f"({first_line(error)}) -> use e.g. gpt2, llama, bert or roberta")
+        if hasattr(config, "intermediate_size"):  # those that have one default to their own, larger
             config.intermediate_size = cfg.model.intermediate_size or 4 * cfg.model.n_embd
         if hasattr(config, "num_key_value_heads"):
             config.num_key_value_heads = cfg.model.n_head
     for name, value in config.to_dict().items():
         if ("dropout" in name or "pdrop" in name) and isinstance(value, float):
             setattr(config, name, cfg.model.dropout)
-    tied_by_the_model = bool(getattr(config, "tie_word_embeddings", False))
-    if str(cfg.model.tie_word_embeddings).lower() != "auto":  # auto: the model's own (gpt2, bert tie; llama does not)
-        config.tie_word_embeddings = str(cfg.model.tie_word_embeddings).lower() == "true"
-    config.use_cache = False  # a key/value cache serves generation only; training would build one every forward
+    config.tied_by_the_model = bool(getattr(config, "tie_word_embeddings", False))
+    if cfg.model.tie_word_embeddings != "auto":  # auto: the model's own (gpt2, bert tie; llama not)
+        config.tie_word_embeddings = cfg.model.tie_word_embeddings == "true"
+    config.use_cache = False  # a key/value cache serves generation only; training would build one
+    return config
+
+
+def build_model(cfg, task, padded_vocab, special, device):
+    """A new model from a transformers config, or a local pretrained one, in fp32 (master
+    weights)."""
+    attention = choose_attention(cfg.model.attention, device, task)
+    config = model_config(cfg, padded_vocab, special)
     model_class = AutoModelForMaskedLM if task == "mlm" else AutoModelForCausalLM
     if not cfg.model.pretrained:
-        return model_class.from_config(config, attn_implementation=attention, dtype=torch.float32), attention
+        model = model_class.from_config(config, attn_implementation=attention, dtype=torch.float32)
+        return model, attention
     try:
-        model = model_class.from_pretrained(cfg.model.pretrained, config=config, dtype=torch.float32,
-                                            attn_implementation=attention, local_files_only=True)
+        model = model_class.from_pretrained(cfg.model.pretrained, config=config,
+                                            dtype=torch.float32, attn_implementation=attention,
+                                            local_files_only=True)
     except (OSError, ValueError) as error:
-        die(f"cannot load model.pretrained={cfg.model.pretrained} ({first_line(error)}) "
-            "-> give a directory written by save_pretrained")
-    if tied_by_the_model and not config.tie_word_embeddings:
-        # a tied checkpoint holds one table: transformers leaves the untied output layer random (and warns);
-        # it starts as the copy it was while tied
+        die(f"cannot load model.pretrained={cfg.model.pretrained} ({first_line(error)}) -> give a "
+            "directory written by save_pretrained")
+    if config.tied_by_the_model and not config.tie_word_embeddings:
+        # a tied checkpoint holds one table, and transformers would leave an untied output layer
+        # random: it starts as the copy it was while tied
         model.get_output_embeddings().weight.data.copy_(model.get_input_embeddings().weight.data)
-        log0("untied the output layer from the input embedding (model.tie_word_embeddings=false): it starts as a copy")
-    if model.get_input_embeddings().num_embeddings < padded_vocab_size:
-        model.resize_token_embeddings(padded_vocab_size)  # the tokenizer has more tokens than the model
+        log0("untied the output layer from the input embedding (model.tie_word_embeddings=false): "
+             "it starts as a copy")
+    if model.get_input_embeddings().num_embeddings < padded_vocab:
+        model.resize_token_embeddings(padded_vocab)  # the tokenizer has more tokens
     return model, attention
 
 
 def choose_attention(requested, device, task):
-    # FlashAttention-2 runs on compute capability 8.0 and newer only (its README: Ampere, Ada, Hopper): on an
-    # older GPU where flash_attn imports, picking it would fail at the first forward pass
-    usable = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0) and flash_attn_available()
+    """auto: FlashAttention-2 where flash_attn imports on a GPU of compute capability 8.0 or newer
+    (older GPUs fail at the first forward); else our sdpa_causal for causal LMs, else sdpa."""
+    usable = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0) and \
+        flash_attn_available()
     if requested == "auto" and usable:
         return "flash_attention_2"
     if requested == "auto" and task == "causal":
-        # transformers' "sdpa" builds an explicit causal mask whenever torch.compile traces it (masking_utils.py,
-        # _ignore_causal_mask_sdpa: with torch before 2.14), and PyTorch's SDPA runs no flash kernel with an
-        # explicit mask. Our causal batches are never padded, so this one passes no mask and SDPA is_causal=True.
+        # transformers' "sdpa" builds an explicit causal mask under torch.compile with torch 2.12
+        # and older, and SDPA runs no flash kernel with an explicit mask. Our causal batches are
+        # never padded, so this one passes no mask: SDPA's is_causal=True.
         AttentionInterface.register("sdpa_causal", sdpa_attention_forward)
         AttentionMaskInterface.register("sdpa_causal", lambda *args, **kwargs: None)
         return "sdpa_causal"
-    if requested == "auto":
-        return "sdpa"
     if requested == "flash_attention_2" and not usable:
-        die("model.attention=flash_attention_2 needs the flash_attn package and a GPU of compute capability 8.0 or "
-            "newer -> pip install flash-attn, or use model.attention=sdpa")
-    return requested
+        die("model.attention=flash_attention_2 needs the flash_attn package and a GPU of compute "
+            "capability 8.0 or newer -> pip install flash-attn, or use model.attention=sdpa")
+    return "sdpa" if requested == "auto" else requested
 
 
 def flash_attn_available():
@@ -1017,370 +1337,86 @@ def flash_attn_available():
         return False
 
 
+def repeated_blocks(model):
+    """The model's repeated layers (its transformer blocks): the members of its outermost
+    nn.ModuleLists, but none holding the input embedding (a tied output layer shares its weight)."""
+    embedding, blocks = model.get_input_embeddings(), []
+    for module in model.modules():  # parents before children
+        if isinstance(module, torch.nn.ModuleList) and not any(
+                inner is module for block in blocks for inner in block.modules()):
+            blocks += [block for block in module
+                       if all(inner is not embedding for inner in block.modules())]
+    return blocks
+
+
 def model_flops_counter(raw_model, task, attention, cfg):
-    """A function from the sample lengths of each micro-batch to their model FLOPs: what MFU divides by peak."""
+    """A function from the sample lengths of each micro-batch to their model FLOPs (what MFU
+    counts)."""
     matmul_params = count_matmul_params(raw_model)
     layers, width = raw_model.config.num_hidden_layers, raw_model.config.hidden_size
-    # FlashAttention-2 removes a masked batch's padding before attention (transformers' _upad_input); SDPA and
-    # eager compute every padded position and zero the masked scores afterwards
-    attention_unpads = attention == "flash_attention_2"
-    return lambda micro_batch_lengths: model_flops(micro_batch_lengths, matmul_params, layers, width,
-                                                   task == "causal", attention_unpads, cfg.train.pad_to_multiple,
-                                                   cfg.train.seq_len)
+    # FlashAttention-2 drops a masked batch's padding before attention; SDPA and eager compute every
+    # padded position and zero the masked scores afterwards
+    unpads = attention == "flash_attention_2"
+    return lambda lengths: model_flops(lengths, matmul_params, layers, width, task == "causal",
+                                       unpads, cfg.train.pad_to_multiple, cfg.train.seq_len)
 
 
-def model_flops(micro_batch_lengths, matmul_params, layers, width, causal, attention_unpads, pad_to_multiple,
-                seq_len):
-    """Model FLOPs of forward + backward of micro-batches, one list of sample lengths each (the FLOPs MFU counts).
-
-    PaLM's count (Chowdhery et al. 2022, app. B), with attention counted as computed here:
-    - matmuls: 2 FLOPs per multiply-add, forward; backward computes two products of the same size (gradients of
-      the input and of the weight): 6 x matmul_params per position. Every position of a micro-batch is computed,
-      padding included (a masked-LM micro-batch is padded to its longest sample, rounded up: padded_length).
-    - attention scores Q K^T and their weighted sum of V: 2 x 2 x width FLOPs per query-key pair per layer
-      forward, x3 with backward: 12 x layers x width per pair. A causal query sees the keys up to itself: half
-      the pairs of full attention (FlashAttention-2 skips the blocks above the diagonal: Dao 2023, sec. 3.1.1).
-      A masked-LM query sees every padded position, or only its own sample's with attention_unpads.
-    Not counted: norms, activations, softmax, embedding lookups, the loss, and recomputation (activation
-    checkpointing: MFU counts the model's FLOPs, not the hardware's). 6 x matmul_params counts biases and norm
-    weights as if multiplied: 13 / (12 x width) too much for a GPT-2 block (0.14% at width 768).
-    """
+def model_flops(micro_batch_lengths, matmul_params, layers, width, causal, attention_unpads,
+                pad_to_multiple, seq_len):
+    """Model FLOPs of forward + backward of micro-batches, a list of sample lengths each: PaLM's
+    count (Chowdhery et al. 2022, app. B) with attention as computed here. Matmuls: 2 FLOPs per
+    multiply-add forward, and backward computes two products of the same size: 6 x matmul_params per
+    position computed, padding too. Attention (Q K^T and the weighted sum of V): 2 x 2 x width per
+    query-key pair and layer forward, x3 with backward; a causal query sees the keys up to itself
+    (half the pairs), a masked-LM one every padded position, or only its sample's with
+    attention_unpads. Not counted: norms, activations, softmax, embedding lookups, the loss,
+    recomputation."""
     total = 0
     for lengths in micro_batch_lengths:
-        padded = padded_length(max(lengths), pad_to_multiple, seq_len)  # causal: seq_len
+        padded = seq_len
+        if not causal:  # MLM
+            padded = padded_length(max(lengths), pad_to_multiple, seq_len)  # MLM
         positions = len(lengths) * padded
-        if causal:
-            query_key_pairs = positions * padded / 2
-        elif attention_unpads:  # MLM
-            query_key_pairs = sum(length * length for length in lengths)  # MLM
-        else:  # MLM
-            query_key_pairs = positions * padded  # MLM
-        total += 6 * matmul_params * positions + 12 * layers * width * query_key_pairs
+        pairs = positions * padded / 2 if causal else positions * padded
+        if not causal and attention_unpads:  # MLM
+            pairs = sum(length * length for length in lengths)  # MLM
+        total += 6 * matmul_params * positions + 12 * layers * width * pairs
     return total
 
 
 def count_matmul_params(model):
-    """Parameters that are multiplied with every token: all but embedding lookups, plus the output
-    layer when it shares its weight with the input embedding (it is a matmul there)."""
-    total = sum(p.numel() for p in model.parameters())
-    embedding_weights = {id(p): p.numel() for m in model.modules()
-                         if isinstance(m, (torch.nn.Embedding, TieredEmbedding)) for p in m.parameters(recurse=False)}
+    """Parameters multiplied with every token: all but embedding lookups, plus the output layer when
+    it shares its weight with the input embedding (there it is a matmul)."""
+    lookups = [m for m in model.modules() if isinstance(m, torch.nn.Embedding)]
+    embedding_weights = {id(p): p.numel() for m in [*lookups, model.get_input_embeddings()]
+                         for p in m.parameters(recurse=False)}
     output = model.get_output_embeddings()
-    tied_output = output.weight.numel() if output is not None and id(output.weight) in embedding_weights else 0
-    return total - sum(embedding_weights.values()) + tied_output
+    tied = output is not None and id(output.weight) in embedding_weights
+    tied = output.weight.numel() if tied else 0
+    return sum(p.numel() for p in model.parameters()) - sum(embedding_weights.values()) + tied
 
 
-def hottest_token_ids(frequencies, rows, count):  # tiered
-    """The `count` most frequent of `rows` token ids, most frequent first. Equal counts go to the lower id (a
-    stable sort), so that every rank and every run picks the same rows; ids past the frequency table (the rows
-    that pad the vocabulary to a multiple of 64) count 0."""
-    counts = np.zeros(rows, np.int64)
-    counts[:min(rows, len(frequencies))] = frequencies[:rows]
-    return torch.from_numpy(np.argsort(-counts, kind="stable")[:count].copy())
+# ----------------------------------------------------------------------------- 5. optimizer
+
+def make_optimizer(raw_model, cfg):
+    """AdamW, with weight decay on matrices and embeddings only, never on biases and norm
+    weights."""
+    trained = [p for p in raw_model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(
+        [{"params": [p for p in trained if p.dim() >= 2], "weight_decay": cfg.optim.weight_decay},
+         {"params": [p for p in trained if p.dim() < 2], "weight_decay": 0.0}],
+        lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps,
+        fused=True)  # the whole update in one kernel (the default: a kernel per operation on CUDA)
 
 
-def tier_embedding(raw_model, data_dir, meta, cfg, precision, device):  # tiered
-    """Put a TieredEmbedding in place of the model's input embedding, its GPU rows those of the
-    model.embedding_gpu_rows most frequent tokens of the train split (counted by preprocess.py)."""
-    embedding, output = raw_model.get_input_embeddings(), raw_model.get_output_embeddings()
-    if output is not None and output.weight is embedding.weight:
-        die("model.embedding_gpu_rows needs an output layer of its own, and this model ties it to the input embedding: "
-            "the output layer multiplies every row at every step, so no row could stay in CPU memory -> set "
-            "model.tie_word_embeddings=false (the output layer then has weights of its own: vocabulary x width more)")
-    if precision == "fp16":
-        die("model.embedding_gpu_rows does not train in fp16: the grad scaler would not see the gradient of the rows "
-            "in CPU memory -> use train.precision=bf16 or fp32, or model.embedding_gpu_rows=0")
-    if not isinstance(embedding, torch.nn.Embedding):
-        die(f"model.embedding_gpu_rows splits a torch.nn.Embedding; this model's input embedding is a "
-            f"{type(embedding).__name__} -> set model.embedding_gpu_rows=0")
-    if cfg.model.embedding_gpu_rows >= embedding.num_embeddings:
-        die(f"model.embedding_gpu_rows={cfg.model.embedding_gpu_rows} is not below the embedding's "
-            f"{embedding.num_embeddings} rows, so no row would stay in CPU memory -> set it lower, or 0 for one table")
-    frequency_file = data_dir / meta.get("token_frequencies_file", "token_frequencies.npy")
-    try:
-        frequencies = np.load(frequency_file)
-    except (OSError, ValueError) as error:
-        die(f"model.embedding_gpu_rows needs the token frequencies of the data, and {frequency_file} cannot be read "
-            f"({first_line(error)}; data prepared by an older preprocess.py has none) -> rebuild the data: "
-            f"python preprocess.py --out {data_dir} --force")
-    if frequencies.shape != (meta["vocab_size"],):
-        die(f"{frequency_file} holds {frequencies.shape[0] if frequencies.ndim else 0} counts for a vocabulary of "
-            f"{meta['vocab_size']} -> rebuild the data: python preprocess.py --out {data_dir} --force")
-    hot_ids = hottest_token_ids(frequencies, embedding.num_embeddings, cfg.model.embedding_gpu_rows)
-    tiered = TieredEmbedding(embedding, hot_ids, device)
-    raw_model.set_input_embeddings(tiered)
-    covered = frequencies[hot_ids[hot_ids < len(frequencies)].numpy()].sum() / max(1, frequencies.sum())
-    log0(f"input embedding tiered: the rows of the {len(hot_ids):,} most frequent tokens ({100 * covered:.1f}% of the "
-         f"train tokens) on {device.type}, the other {len(tiered.cold_ids):,} in CPU memory (not counted below)")
-    return tiered
-
-
-class TieredEmbedding(torch.nn.Module):  # tiered
-    """An input embedding split by token frequency (model.embedding_gpu_rows; README: tiered embedding).
-
-    Hot rows (the most frequent ids) form one GPU parameter, `hot_weight`: DDP reduces its gradient and the
-    trainer's AdamW updates it, as any weight. Cold rows (all others) live in CPU memory with their lazy AdamW
-    state. A step's cold rows, those of every id in the global batch (all ranks'), go to the GPU once per step:
-    `stage` gathers them on the host while the GPU still runs the step before, `start_step` makes them one GPU
-    tensor `rows` (with their moments and step counts) that every micro-batch's forward reads and whose .grad
-    the backward passes fill; `reduce_gradients` all-reduces that gradient as DDP does the hot rows'; `step`
-    applies lazy AdamW to them on the GPU and copies them back to the host on the side stream, and
-    `write_to_tables` puts them into the CPU tables during the next step. The tier map: token id i is row
-    slot_of_id[i] of hot_weight if that is below hot_rows, else row slot_of_id[i] - hot_rows of the CPU tables.
-    """
-
-    def __init__(self, embedding, hot_ids, device):
-        super().__init__()
-        weight = embedding.weight.detach().cpu()
-        self.width, self.padding_idx, self.device = weight.shape[1], embedding.padding_idx, device
-        self.set_tiers(hot_ids, weight.shape[0])
-        self.hot_weight = torch.nn.Parameter(weight[self.hot_ids].clone())
-        # Plain attributes, not parameters or buffers: model.to(device) leaves them in CPU memory, DDP neither
-        # reduces nor broadcasts them, and the state dict gets them from get_extra_state. Ordinary memory, not
-        # pinned: copies read and write the pinned buffers the rows are gathered into, never the tables.
-        self.cold_weight = weight[self.cold_ids].clone()
-        self.cold_exp_avg = torch.zeros_like(self.cold_weight)
-        self.cold_exp_avg_sq = torch.zeros_like(self.cold_weight)
-        self.cold_steps = torch.zeros(len(self.cold_ids), dtype=torch.long)  # lazy AdamW: each row counts its own
-        # one side stream, made once: every copy goes on it, in order, beside the compute on the main stream
-        self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.staged = None  # the next step's rows, on their way to the GPU (stage -> start_step)
-        self.current = None  # this step's rows on the GPU (start_step), updated there by step
-        self.written = None  # the rows step last updated, copied back to the host, not yet in the CPU tables
-
-    def set_tiers(self, hot_ids, vocab_rows):
-        is_hot = torch.zeros(vocab_rows, dtype=torch.bool)
-        is_hot[hot_ids] = True
-        self.hot_ids, self.cold_ids, self.hot_rows = hot_ids, (~is_hot).nonzero().flatten(), len(hot_ids)
-        self.slot_of_id = torch.empty(vocab_rows, dtype=torch.long)
-        self.slot_of_id[self.hot_ids] = torch.arange(self.hot_rows)
-        self.slot_of_id[self.cold_ids] = torch.arange(self.hot_rows, vocab_rows)
-
-    def cold_tables(self):
-        return [self.cold_weight, self.cold_exp_avg, self.cold_exp_avg_sq, self.cold_steps]
-
-    def stage(self, micro_batches, step_ids):
-        """Start copying the cold rows of the next step to the GPU: `micro_batches` are this rank's (their ids
-        still in CPU memory), `step_ids` every input id of the global batch (step_input_ids). Called while the
-        GPU runs the step before, so the host work and the copies overlap it. Rows that step also holds are not
-        copied: start_step takes them from the GPU after that step's update, which the CPU tables do not have yet."""
-        self.write_to_tables()  # if not done yet: the last update, whose rows may be gathered below
-        step_slots = self.slot_of_id[step_ids]
-        slots = torch.unique(step_slots[step_slots >= self.hot_rows])  # sorted; the same on every rank
-        table_indices = []  # per micro-batch and position: its row in cat([hot_weight, this step's cold rows])
-        for batch in micro_batches:
-            index = self.slot_of_id[batch["host_input_ids"]]
-            is_cold = index >= self.hot_rows
-            index[is_cold] = self.hot_rows + torch.searchsorted(slots, index[is_cold])
-            table_indices.append(index)
-        previous = self.current.slots if self.current is not None else slots[:0]
-        place = torch.searchsorted(previous, slots).clamp_(max=max(0, len(previous) - 1))
-        carried = previous[place] == slots if len(previous) else torch.zeros(len(slots), dtype=torch.bool)
-        fresh_rows = slots[~carried] - self.hot_rows
-        pin = self.copy_stream is not None  # a copy from pageable memory would make the host wait for it
-        fresh = [torch.index_select(table, 0, fresh_rows, out=torch.empty((len(fresh_rows), *table.shape[1:]),
-                                                                          dtype=table.dtype, pin_memory=pin))
-                 for table in self.cold_tables()]
-        positions = [(~carried).nonzero().flatten(), carried.nonzero().flatten(), place[carried]]
-        ready = None
-        if self.copy_stream is not None:
-            # A pinned buffer freed here while its copy may still run is reused only after that copy: the caching
-            # host allocator records an event with each copy (PyTorch's aten/src/ATen/cuda/CachingHostAllocator.h).
-            # GPU memory allocated on the side stream is marked with record_stream in start_step, where it is read.
-            with torch.cuda.stream(self.copy_stream):
-                table_indices, fresh, positions = ([tensor.pin_memory().to(self.device, non_blocking=True)
-                                                    for tensor in tensors] for tensors in (table_indices, fresh, positions))
-                ready = torch.cuda.Event()
-                ready.record()
-        self.staged = SimpleNamespace(slots=slots, table_indices=table_indices, fresh=fresh, positions=positions,
-                                      previous=self.current, padding_index=self.padding_index(slots), ready=ready)
-
-    def padding_index(self, cold_slots):
-        """The row of padding_idx in cat([hot_weight, the rows of cold_slots]), or None where it is absent:
-        nn.Embedding(padding_idx=) sends no gradient to that row, and neither does this module."""
-        if self.padding_idx is None:
-            return None
-        pad_slot = int(self.slot_of_id[self.padding_idx])
-        if pad_slot < self.hot_rows:
-            return pad_slot
-        found = int(torch.searchsorted(cold_slots, pad_slot))
-        return self.hot_rows + found if found < len(cold_slots) and int(cold_slots[found]) == pad_slot else None
-
-    @torch.no_grad()
-    def start_step(self):
-        """Make the staged rows this step's GPU tensors: the copied ones, and those the step before also held
-        taken from its updated tensors on the GPU. No wait for the host: the compute stream waits for the copy."""
-        staged, self.staged = self.staged, None
-        fresh_at, carried_at, carried_from = staged.positions
-        if staged.ready is not None:
-            compute_stream = torch.cuda.current_stream(self.device)
-            compute_stream.wait_event(staged.ready)
-            # allocated on the side stream and read here: without record_stream the allocator could give this
-            # memory to the next copy as soon as it is freed, while kernels queued here still read it
-            for tensor in [*staged.table_indices, *staged.fresh, *staged.positions]:
-                if tensor.numel():  # an empty tensor has no memory
-                    tensor.record_stream(compute_stream)
-        previous = staged.previous
-        carried_state = [previous.rows, previous.exp_avg, previous.exp_avg_sq, previous.steps] if previous else []
-        state = []
-        for index, fresh in enumerate(staged.fresh):
-            values = torch.empty((len(staged.slots), *fresh.shape[1:]), dtype=fresh.dtype, device=self.device)
-            values[fresh_at] = fresh
-            if len(carried_at):
-                values[carried_at] = carried_state[index][carried_from]
-            state.append(values)
-        rows, exp_avg, exp_avg_sq, steps = state
-        rows.requires_grad_()  # a leaf: the backward passes of the step's micro-batches sum its gradient in rows.grad
-        self.current = SimpleNamespace(slots=staged.slots, rows=rows, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq,
-                                       steps=steps, table_indices=staged.table_indices,
-                                       padding_index=staged.padding_index)
-
-    @torch.compiler.disable  # host work (a list, CPU tensors) Dynamo cannot trace: the compiled graph breaks here
-    def forward(self, input_ids):
-        if self.current is not None and self.current.table_indices:  # a micro-batch of the step, staged
-            table_index = self.current.table_indices.pop(0)
-            if table_index.shape != input_ids.shape:
-                raise RuntimeError(f"TieredEmbedding: staged a micro-batch of {tuple(table_index.shape)}, "
-                                   f"got one of {tuple(input_ids.shape)}")
-            return F.embedding(table_index, torch.cat([self.hot_weight, self.current.rows]),
-                               padding_idx=self.current.padding_index)
-        if torch.is_grad_enabled():  # its cold rows would get no gradient and no update
-            raise RuntimeError("TieredEmbedding: a training forward pass needs its micro-batch staged -> call "
-                               "stage(micro_batches, step_ids) and start_step() before the step, as train_ddp.py does")
-        # validation and generate(): the rows of this batch from the CPU tables, which first get the last update;
-        # waits for the GPU once per call
-        self.write_to_tables()
-        slots = self.slot_of_id[input_ids.cpu()]
-        is_cold = slots >= self.hot_rows
-        cold_slots, position = torch.unique(slots[is_cold], return_inverse=True)
-        slots[is_cold] = self.hot_rows + position
-        rows = self.cold_weight[cold_slots - self.hot_rows].to(self.device)
-        return F.embedding(slots.to(self.device), torch.cat([self.hot_weight, rows]),
-                           padding_idx=self.padding_index(cold_slots))
-
-    def reduce_gradients(self, world_size):
-        """The gradient of this step's cold rows, summed over micro-batches (by autograd) and ranks and divided by
-        world_size, as DDP averages the hot rows' gradient. Every rank holds the same rows in the same order, so
-        one all_reduce does it, on the GPU, with no wait for the host. Returns [the rows], whose .grad that is,
-        so that clip_grad_norm_ counts it into the one global norm."""
-        rows = self.current.rows
-        if rows.grad is None:  # a step without cold rows
-            rows.grad = torch.zeros_like(rows)
-        if world_size > 1 and rows.numel():  # every rank has the same row count: all skip alike
-            dist.all_reduce(rows.grad)
-            rows.grad.div_(world_size)
-        return [rows]
-
-    @torch.no_grad()
-    def step(self, lr, optim, skip):
-        """Lazy AdamW, on the GPU: torch.optim.AdamW's formula (decoupled weight decay, both moments, bias
-        correction) on the cold rows of this step, each row a parameter of its own with its own step count. A
-        row used at every step is updated as AdamW updates a dense table; an unused row keeps its weight and
-        moments, where dense AdamW would decay both at every step, which would touch every row. Where `skip` (a
-        0-dim device tensor) is 1, the rows, moments and step counts stay as they were, as the fused AdamW's
-        do with found_inf: decided on the GPU, with no wait for the host. Then the rows go back to the host on
-        the side stream, for write_to_tables."""
-        state = self.current
-        weight, grad = state.rows, state.rows.grad
-        before = [tensor.clone() for tensor in (weight, state.exp_avg, state.exp_avg_sq, state.steps)]
-        state.steps += 1
-        weight.mul_(1 - lr * optim.weight_decay)
-        state.exp_avg.lerp_(grad, 1 - optim.beta1)
-        state.exp_avg_sq.mul_(optim.beta2).addcmul_(grad, grad, value=1 - optim.beta2)
-        step_size = (lr / (1 - optim.beta1 ** state.steps.double())).float()[:, None]
-        bias_correction2_sqrt = (1 - optim.beta2 ** state.steps.double()).sqrt().float()[:, None]
-        denominator = state.exp_avg_sq.sqrt().div_(bias_correction2_sqrt).add_(optim.eps)
-        weight.sub_(torch.div(state.exp_avg, denominator).mul_(step_size))  # AdamW: - step_size * m / denom
-        updated = [weight.detach(), state.exp_avg, state.exp_avg_sq, state.steps]
-        for tensor, old in zip(updated, before):  # torch.where, not a multiplication: 0 x NaN is NaN
-            tensor.copy_(torch.where(skip > 0, old, tensor))
-        done = None
-        if self.copy_stream is not None:
-            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))  # after the update
-            with torch.cuda.stream(self.copy_stream):
-                host = [torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True) for tensor in updated]
-                for target, tensor in zip(host, updated):
-                    target.copy_(tensor, non_blocking=True)
-                    tensor.record_stream(self.copy_stream)  # freed by the next start_step, maybe before this copy ends
-                done = torch.cuda.Event()
-                done.record()
-            updated = host
-        # on a CPU the tensors themselves: start_step builds new ones, so nothing writes these before they are read
-        self.written = SimpleNamespace(rows=state.slots - self.hot_rows, values=updated, done=done)
-
-    def write_to_tables(self):
-        """Put the rows the last step() updated into the CPU tables, waiting for their copy (queued behind that
-        update). train_ddp.py calls it once the next step's first micro-batch is queued, so the GPU has work
-        meanwhile; stage(), validation, checkpoints and the export call it too, before they read the tables."""
-        written, self.written = self.written, None
-        if written is None:
-            return
-        if written.done is not None:
-            written.done.synchronize()
-        for table, values in zip(self.cold_tables(), written.values):
-            table.index_copy_(0, written.rows, values)
-
-    def held_tensors(self):
-        """Every tensor the module holds beside hot_weight: the CPU tables, and the rows of the step and the next
-        on the GPU and their copies back (for embedding_memory)."""
-        held = self.cold_tables()
-        if self.current is not None:
-            held += [self.current.rows, self.current.exp_avg, self.current.exp_avg_sq, self.current.steps]
-            held += [self.current.rows.grad] if self.current.rows.grad is not None else []
-        if self.staged is not None:
-            held += self.staged.fresh
-        if self.written is not None and self.written.done is not None:
-            held += self.written.values
-        return held
-
-    def get_extra_state(self):
-        """The cold rows, their lazy AdamW state and the tier map go into the model's state dict (model.pt)."""
-        self.write_to_tables()
-        return {"hot_ids": self.hot_ids, "cold_weight": self.cold_weight, "cold_exp_avg": self.cold_exp_avg,
-                "cold_exp_avg_sq": self.cold_exp_avg_sq, "cold_steps": self.cold_steps}
-
-    def set_extra_state(self, state):
-        if state["cold_weight"].shape != self.cold_weight.shape:
-            raise ValueError(f"its CPU embedding rows are {tuple(state['cold_weight'].shape)}, this model's "
-                             f"{tuple(self.cold_weight.shape)}")
-        # the checkpoint's tier map, not one from today's frequency file: hot_weight holds the rows of these ids
-        self.set_tiers(state["hot_ids"], len(self.slot_of_id))
-        self.cold_weight, self.cold_exp_avg = state["cold_weight"], state["cold_exp_avg"]
-        self.cold_exp_avg_sq, self.cold_steps = state["cold_exp_avg_sq"], state["cold_steps"]
-        self.staged = self.current = self.written = None  # rows of the old tables: not to be carried over
-
-    def merged(self):
-        """One nn.Embedding in token id order, as transformers' save_pretrained and from_pretrained expect."""
-        self.write_to_tables()
-        weight = torch.empty((len(self.slot_of_id), self.width))
-        weight[self.hot_ids] = self.hot_weight.detach().cpu()
-        weight[self.cold_ids] = self.cold_weight
-        return torch.nn.Embedding.from_pretrained(weight, freeze=False, padding_idx=self.padding_idx)
-
-
-def step_input_ids(split_data, position, cfg, world_size, rank, micro_batches):  # tiered
-    """Every input id of the global batch at `position`, all ranks', flat: the rows a tiered step updates.
-    `micro_batches` are this rank's, built already; each rank builds the other ranks' input ids from the shared
-    plan itself (no communication, no wait for the GPU), as make_micro_batch does for them."""
-    plan = global_batch_plan(position, cfg.train.global_batch_size, len(split_data), cfg.train.seed,
-                             cfg.train.micro_batch_size, world_size, split_data.length if split_data.task == "mlm" else None)
-    return torch.cat([batch["host_input_ids"].flatten() for batch in micro_batches]
-                     + [make_micro_batch(split_data, ids, epochs, cfg, split_data.special, torch.device("cpu"))
-                        ["input_ids"].flatten()
-                        for other_rank, rank_plan in enumerate(plan) if other_rank != rank for ids, epochs in rank_plan])
-
-
-def embedding_memory(raw_model, optimizer):
-    """MiB the input embedding holds, per device type: weights, gradients and optimizer state (tiered: also the
-    CPU rows and their lazy AdamW state), summed from the tensors themselves."""
-    embedding = raw_model.get_input_embeddings()
-    tensors = list(state_tensors(embedding.parameters(), optimizer))
-    if isinstance(embedding, TieredEmbedding):  # tiered
-        tensors += embedding.held_tensors()
-    held = {}
-    for tensor in tensors:
-        held[tensor.device.type] = held.get(tensor.device.type, 0) + tensor.numel() * tensor.element_size() / 2**20
-    return held
+def lr_factor(step, cfg):
+    """Linear warmup, then cosine decay to min_lr at max_steps (a multiplier of optim.lr)."""
+    if step < cfg.optim.warmup_steps:
+        return (step + 1) / cfg.optim.warmup_steps
+    decay_steps = max(1, cfg.train.max_steps - cfg.optim.warmup_steps)
+    progress = min(1.0, (step - cfg.optim.warmup_steps) / decay_steps)
+    min_factor = cfg.optim.min_lr / cfg.optim.lr
+    return min_factor + (1 - min_factor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def state_tensors(parameters, optimizer):
@@ -1388,469 +1424,204 @@ def state_tensors(parameters, optimizer):
     for parameter in parameters:
         for tensor in [parameter, parameter.grad, *optimizer.state.get(parameter, {}).values()]:
             if torch.is_tensor(tensor):
-                yield tensor.to_local() if hasattr(tensor, "to_local") else tensor  # FSDP: this rank's shard
+                yield tensor.to_local() if hasattr(tensor, "to_local") else tensor  # FSDP: a shard
 
-
-# ----------------------------------------------------------------------------- 5. optimizer (helpers)
 
 def memory_prediction(raw_model, device):
-    """Bytes this rank holds between steps, from the parameters' counts and dtypes: the weights, a gradient of
-    the same dtype for each trained one, and AdamW's two moments (exp_avg, exp_avg_sq), which torch.optim.AdamW
-    creates like the parameter (torch.zeros_like). Only this device's tensors: not a tiered table's CPU rows."""
+    """Bytes this rank holds between steps, from the parameters' counts and dtypes: the weights, a
+    gradient like each trained one, and AdamW's two moments (made like the parameter)."""
     weights = trained = 0
     for parameter in raw_model.parameters():
-        local = parameter.to_local() if hasattr(parameter, "to_local") else parameter  # FSDP: this rank's shard
+        local = parameter.to_local() if hasattr(parameter, "to_local") else parameter  # FSDP
         if local.device.type == device.type:
             weights += local.numel() * local.element_size()
             trained += local.numel() * local.element_size() if parameter.requires_grad else 0
+    mib = [size / 2**20 for size in (weights, trained, 2 * trained)]
+    log0(f"memory per rank, predicted from the parameters' counts and dtypes: weights "
+         f"{mib[0]:,.1f} MiB, gradients {mib[1]:,.1f} MiB, AdamW state {mib[2]:,.1f} MiB on "
+         f"{device.type}; activations are measured at step 2")
     return {"weights": weights, "gradients": trained, "optimizer": 2 * trained}
 
 
-def memory_measured(raw_model, optimizer, device, predicted):
-    """After an update, before zero_grad: the prediction, the same three summed from the tensors that exist
-    (its check), and on a GPU the caching allocator's figures: allocated now, the peak since start (forward and
-    backward's activations and temporaries on top of what stays) and reserved (allocated plus its cache)."""
-    # AdamW's "step" is a 0-d tensor per parameter (4 bytes): not part of the prediction's state
-    held = sum(tensor.numel() * tensor.element_size() for tensor in state_tensors(raw_model.parameters(), optimizer)
-               if tensor.dim() > 0 and tensor.device.type == device.type)
-    memory = {"predicted_bytes": sum(predicted.values()), **{f"predicted_{k}_bytes": v for k, v in predicted.items()},
-              "held_bytes": held}
-    if device.type == "cuda":
-        memory.update(allocated_bytes=torch.cuda.memory_allocated(device),
-                      peak_bytes=torch.cuda.max_memory_allocated(device),
-                      reserved_bytes=torch.cuda.memory_reserved(device))
-    return memory
+def report_memory(run, optimizer, predicted):
+    """After an update: the prediction, the same three summed from the tensors that exist (its
+    check), on a GPU the allocator's allocated, peak and reserved bytes, and what the input
+    embedding holds."""
+    def held(parameters):  # by device type; AdamW's "step", a 0-d tensor, is no part of it
+        sizes = {}
+        for tensor in (t for t in state_tensors(parameters, optimizer) if t.dim() > 0):
+            size = tensor.numel() * tensor.element_size()
+            sizes[tensor.device.type] = sizes.get(tensor.device.type, 0) + size
+        return sizes
 
-
-def memory_line(step, memory):
+    memory = {"predicted_bytes": sum(predicted.values()),
+              **{f"predicted_{key}_bytes": value for key, value in predicted.items()},
+              "held_bytes": held(run.raw_model.parameters()).get(run.device.type, 0)}
+    if run.device.type == "cuda":
+        memory.update(allocated_bytes=torch.cuda.memory_allocated(run.device),
+                      peak_bytes=torch.cuda.max_memory_allocated(run.device),
+                      reserved_bytes=torch.cuda.memory_reserved(run.device))
+    write_metrics(run, {"kind": "memory", "step": run.step, **memory})
     mib = {key: value / 2**20 for key, value in memory.items()}
-    line = (f"step {step} | memory per rank: weights + gradients + AdamW state predicted {mib['predicted_bytes']:,.1f} "
-            f"MiB, held by those tensors {mib['held_bytes']:,.1f} MiB")
+    line = (f"step {run.step} | memory per rank: weights + gradients + AdamW state predicted "
+            f"{mib['predicted_bytes']:,.1f} MiB, held by those tensors "
+            f"{mib['held_bytes']:,.1f} MiB")
     if "peak_bytes" in memory:
-        line += (f"; allocated {mib['allocated_bytes']:,.1f} MiB, peak {mib['peak_bytes']:,.1f} MiB (activations "
-                 f"and temporaries: {mib['peak_bytes'] - mib['predicted_bytes']:,.1f} MiB above the prediction), "
-                 f"reserved {mib['reserved_bytes']:,.1f} MiB (the allocator's cache: "
+        activations = mib["peak_bytes"] - mib["predicted_bytes"]
+        line += (f"; allocated {mib['allocated_bytes']:,.1f} MiB, peak {mib['peak_bytes']:,.1f} "
+                 f"MiB (activations and temporaries: {activations:,.1f} MiB above the "
+                 f"prediction), reserved {mib['reserved_bytes']:,.1f} MiB (the allocator's cache: "
                  f"{mib['reserved_bytes'] - mib['peak_bytes']:,.1f} MiB above the peak)")
-    return line
-
-
-def lr_factor(step, cfg):
-    """Linear warmup, then cosine decay to min_lr at max_steps (a multiplier of optim.lr)."""
-    if step < cfg.optim.warmup_steps:
-        return (step + 1) / cfg.optim.warmup_steps
-    progress = min(1.0, (step - cfg.optim.warmup_steps) / max(1, cfg.train.max_steps - cfg.optim.warmup_steps))
-    min_factor = cfg.optim.min_lr / cfg.optim.lr
-    return min_factor + (1 - min_factor) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-# ----------------------------------------------------------------------------- 6. checkpoint (helpers)
-
-CHECKPOINT_FILES = ["model.pt", "optimizer.pt", "train_state.pt", "checksums.json"]
-# config keys that checkpoints written before them lack, with the value those runs had
-SINCE_CHECKPOINTS_HAD_THEM = {"model.tie_word_embeddings": "auto", "model.embedding_gpu_rows": 0,
-                              "model.intermediate_size": 0}
-
-
-def is_complete(path):
-    return path.is_dir() and all((path / name).is_file() for name in CHECKPOINT_FILES)
-
-
-def step_of(path):
-    """The step number of a step_* directory: compared as numbers, since as strings step_999900 sorts after
-    step_1000000, and pruning would then delete the newest checkpoints."""
-    match = re.fullmatch(r"step_(\d+)", path.name)
-    return int(match.group(1)) if match else -1
-
-
-def complete_checkpoints(ckpt_dir):
-    """The complete step_* directories of ckpt_dir, oldest first."""
-    found = [p for p in ckpt_dir.glob("step_*") if step_of(p) >= 0 and is_complete(p)] if ckpt_dir.is_dir() else []
-    return sorted(found, key=step_of)
-
-
-def find_resume_checkpoint(ckpt_dir, resume):
-    """resume=auto: the newest intact checkpoint (the `latest` pointer first, then newest to oldest: a damaged
-    one is passed over, and the log says so); never; or a path, which must be intact."""
-    for leftover in list(ckpt_dir.glob(".tmp-step_*")) + list(ckpt_dir.glob(".latest-*")) if ckpt_dir.is_dir() else []:
-        log0(f"removing {leftover}, left by a run that stopped while writing a checkpoint")
-        shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
-    existing = complete_checkpoints(ckpt_dir)
-    if resume == "never":
-        if existing:
-            die(f"{ckpt_dir} already holds checkpoints ({existing[-1].name}) and checkpoint.resume=never would overwrite "
-                "them -> continue with checkpoint.resume=auto or choose another checkpoint.dir")
-        return None
-    if resume == "auto":
-        pointer = ckpt_dir / "latest"
-        pointed = [ckpt_dir / pointer.read_text().strip()] if pointer.is_file() else []
-        for candidate in [p for p in pointed if is_complete(p)] + existing[::-1]:
-            damage = checksum_mismatch(candidate)
-            if damage is None:
-                return candidate
-            log0(f"warning: {candidate} is damaged ({damage}); trying the next older checkpoint")
-        if existing:
-            die(f"every checkpoint in {ckpt_dir} is damaged -> move them away to start afresh, or restore one")
-        return None
-    if not is_complete(Path(resume)):
-        die(f"checkpoint.resume={resume} is not a complete checkpoint directory (needs {', '.join(CHECKPOINT_FILES)}) "
-            f"-> give a step_* directory, auto or never")
-    damage = checksum_mismatch(Path(resume))
-    if damage:
-        die(f"checkpoint.resume={resume} is damaged ({damage}) -> give another step_* directory")
-    newer = [p.name for p in existing if step_of(p) > step_of(Path(resume))]
-    if newer:  # this run's checkpoints would interleave with them, and pruning could delete this run's
-        die(f"{ckpt_dir} holds checkpoints newer than {resume} ({', '.join(newer)}) -> set checkpoint.dir to "
-            "another directory for this run")
-    return Path(resume)
-
-
-def file_checksum(path):
-    """CRC-32 of a file, read in 16 MiB pieces: catches truncated and bit-flipped files (not forgery: what
-    protects against a malicious file is that loading never runs pickled code, weights_only=True)."""
-    checksum = 0
-    with open(path, "rb") as file:
-        while piece := file.read(1 << 24):
-            checksum = zlib.crc32(piece, checksum)
-    return checksum
-
-
-def write_checksums(directory, names, known=None):
-    """checksums.json: the CRC-32 of each named file (known: ones computed elsewhere), synced to disk."""
-    checksums = {**(known or {}), **{name: file_checksum(directory / name) for name in names}}
-    with open(directory / "checksums.json", "w") as file:
-        json.dump(checksums, file, indent=1)
-        file.flush()
-        os.fsync(file.fileno())
-
-
-def checksum_mismatch(path):
-    """None if every file listed in path/checksums.json has its checksum, else what is wrong."""
-    try:
-        checksums = json.loads((path / "checksums.json").read_text())
-        for name, expected in checksums.items():
-            if not (path / name).is_file():
-                return f"{name} is missing"
-            if file_checksum(path / name) != expected:
-                return f"{name} does not match its checksum"
-    except (OSError, ValueError, AttributeError) as error:
-        return f"checksums.json is unreadable: {first_line(error)}"
-    return None
-
-
-def write_marker(ckpt_dir):
-    """A file with a random name and content in checkpoint.dir; check_marker on every rank must find it."""
-    token = secrets.token_hex(8)
-    try:
-        ckpt_dir.mkdir(parents=True, exist_ok=True)
-        (ckpt_dir / f".shared-{token}").write_text(token)
-    except OSError as error:
-        die(f"cannot write to checkpoint.dir={ckpt_dir} ({error}) -> set checkpoint.dir to a writable directory")
-    return token
-
-
-def check_marker(ckpt_dir, token):
-    marker = ckpt_dir / f".shared-{token}"
-    if not marker.is_file() or marker.read_text() != token:
-        die(f"checkpoint.dir={ckpt_dir} is not the directory rank 0 writes to (its marker file is not there) -> put "
-            "checkpoint.dir on a filesystem that every node mounts at the same path")
-
-
-def remove_marker(ckpt_dir, token):
-    (ckpt_dir / f".shared-{token}").unlink(missing_ok=True)
-
-
-def fsync_dir(path):
-    """A rename or a new file is durable only once its directory is synced (POSIX fsync on the directory)."""
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
-
-
-def save_checkpoint(ckpt_dir, step, keep, raw_model, optimizer, train_state):
-    """Write into a temporary directory, then rename: a crash mid-write never leaves a checkpoint that
-    resume=auto would pick. The `latest` pointer moves only after the rename; old ones go last."""
-    final = ckpt_dir / f"step_{step:06d}"
-    temporary = ckpt_dir / f".tmp-step_{step:06d}-{os.getpid()}"
-    try:
-        temporary.mkdir(parents=True, exist_ok=True)
-        for name, obj in [("model.pt", raw_model.state_dict()), ("optimizer.pt", optimizer.state_dict()),
-                          ("train_state.pt", train_state)]:
-            with open(temporary / name, "wb") as file:
-                torch.save(obj, file)
-                file.flush()
-                os.fsync(file.fileno())  # the rename below must not reach the disk before the data
-            if fault("kill-in-save", step):  # FAULT
-                os.kill(os.getpid(), signal.SIGKILL)  # FAULT
-        (temporary / "config.yaml").write_text(yaml.safe_dump(train_state["config"], sort_keys=False))
-        write_checksums(temporary, ["model.pt", "optimizer.pt", "train_state.pt"])
-        fsync_dir(temporary)
-        if final.exists():  # only an incomplete leftover can be there: resume refuses dirs with newer checkpoints
-            shutil.rmtree(final)
-        os.rename(temporary, final)
-        pointer_temporary = ckpt_dir / f".latest-{os.getpid()}"
-        pointer_temporary.write_text(final.name)
-        os.replace(pointer_temporary, ckpt_dir / "latest")
-        fsync_dir(ckpt_dir)  # the new checkpoint and pointer are on disk before any old checkpoint goes
-        for old in complete_checkpoints(ckpt_dir)[:-keep]:
-            shutil.rmtree(old)
-    except OSError as error:
-        die(f"cannot write checkpoint to {ckpt_dir} ({error}) -> free disk space or set checkpoint.dir")
-
-
-def load_train_state(path, scheduler, scaler, cfg):
-    """Step, data position, RNG, schedule and grad scaler, after checking the model shape matches.
-    weights_only=True everywhere: a checkpoint is data, loading it must never run pickled code."""
-    try:
-        train_state = torch.load(path / "train_state.pt", weights_only=True)
-        saved_config, this_config = train_state["config"], config_dict(cfg)
-        for key in ["model.type", "model.task", "model.n_layer", "model.n_head", "model.n_embd", "model.pretrained",
-                    "model.intermediate_size", "model.tie_word_embeddings", "model.embedding_gpu_rows"]:
-            saved = saved_config.get(key, SINCE_CHECKPOINTS_HAD_THEM.get(key))
-            if saved != this_config[key]:
-                die(f"checkpoint {path} was trained with {key}={saved}, this run has "
-                    f"{key}={this_config[key]} -> pass {key}={saved}, or use another checkpoint.dir")
-        scheduler.load_state_dict(train_state["scheduler"])
-        scaler.load_state_dict(train_state["scaler"])
-    except (OSError, RuntimeError, KeyError, ValueError, EOFError, TypeError, pickle.UnpicklingError) as error:
-        die(f"cannot load checkpoint {path} ({unloadable(error)}) -> "
-            "point checkpoint.resume at another step_* directory, or use a new checkpoint.dir")
-    return train_state
-
-
-def load_weights(path, raw_model, optimizer):
-    try:
-        raw_model.load_state_dict(torch.load(path / "model.pt", weights_only=True, map_location="cpu"))
-        optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True, map_location="cpu"))
-    except (OSError, RuntimeError, KeyError, ValueError, EOFError, TypeError, pickle.UnpicklingError) as error:
-        die(f"cannot load checkpoint {path} ({unloadable(error)}) -> "
-            "point checkpoint.resume at another step_* directory, or use a new checkpoint.dir")
-
-
-def apply_settings(optimizer, scheduler, cfg, step):
-    """After a resume, this run's optimizer settings win over the checkpoint's (load_state_dict restored those)."""
-    for group, weight_decay in zip(optimizer.param_groups, [cfg.optim.weight_decay, 0.0]):
-        group.update(betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps, weight_decay=weight_decay,
-                     initial_lr=cfg.optim.lr, lr=cfg.optim.lr * lr_factor(step, cfg))
-    scheduler.base_lrs = [cfg.optim.lr] * len(optimizer.param_groups)
-
-
-def changed_settings(saved_config, cfg):
-    """`key old -> new` for the training settings that differ from the checkpoint's."""
-    where_not_a_change = ("out_dir", "export", "data.dir", "checkpoint.", "log.", "dist.")
-    return [f"{key} {saved_config[key]} -> {value}" for key, value in config_dict(cfg).items()
-            if key in saved_config and saved_config[key] != value and not key.startswith(where_not_a_change)]
-
-
-def weights_are_finite(raw_model):
-    """One wait for the GPU; only before a checkpoint or the export."""
-    return bool(torch.stack([torch.isfinite(p).all() for p in raw_model.parameters()]).all())
-
-
-def rng_state(use_cuda):
-    state = {"torch": torch.get_rng_state()}
-    if use_cuda:
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def restore_rng(saved_states, rank, seed, step):
-    """Each rank continues its own dropout stream; ranks the old run did not have get a fresh seed."""
-    if rank < len(saved_states):
-        torch.set_rng_state(saved_states[rank]["torch"].cpu())
-        if "cuda" in saved_states[rank] and torch.cuda.is_available():
-            torch.cuda.set_rng_state(saved_states[rank]["cuda"].cpu())
-    else:
-        torch.manual_seed(int(np.random.SeedSequence([seed, rank, step]).generate_state(1)[0]))
-
-
-# ----------------------------------------------------------------------------- 7. training loop (helpers)
-
-class InlineReducer:
-    """What DDP does for you, in plain sight (dist.reducer=inline): every rank ends the step with the mean of
-    all ranks' gradients, and the all-reduces run while backward is still computing the earlier layers.
-
-    Backward produces gradients about in reverse registration order (the last layer's first), so parameters
-    are grouped into buckets of bucket_mb in that order. A hook per parameter counts what each bucket still
-    waits for; on the step's last micro-batch, a complete bucket is flattened into one tensor and its
-    all_reduce(async_op=True) starts at once. finish() waits for every bucket, divides by the world size and
-    hands the averages to the optimizer as .grad. Accumulation: the hooks do nothing on the other micro-batches,
-    so each step all-reduces once. World size 1 uses no reducer at all (main(): nothing to average).
-    """
-
-    def __init__(self, model, bucket_mb, compression, allreduce_spans, comm_wait):
-        self.wire_dtype = torch.bfloat16 if compression == "bf16" else torch.float32
-        self.allreduce_spans, self.comm_wait = allreduce_spans, comm_wait  # for the log: latency, exposed time
-        # every rank starts from rank 0's weights, as DDP's constructor makes sure (ranks that differed would
-        # train different models on averaged gradients, silently). Buffers too, once: DDP broadcasts them before
-        # every forward, which matters for running statistics (BatchNorm); transformers' language models have none.
-        for tensor in [*model.parameters(), *model.buffers()]:
-            dist.broadcast(tensor.detach(), src=0)
-        self.buckets, filled = [[]], 0
-        for param in reversed([p for p in model.parameters() if p.requires_grad]):
-            if filled >= bucket_mb * 2**20:  # DDP's rule: a bucket closes once it holds at least bucket_mb
-                self.buckets.append([])
-                filled = 0
-            self.buckets[-1].append(param)
-            filled += param.numel() * param.element_size()
-            # runs when autograd has added this backward's gradient into param.grad (a tied weight: once, the sum)
-            param.register_post_accumulate_grad_hook(functools.partial(self.gradient_ready, len(self.buckets) - 1))
-        self.reduce_in_backward = False  # the training loop sets it: true on the step's last micro-batch
-        self.missing = [len(bucket) for bucket in self.buckets]  # gradients each bucket still waits for
-        self.in_flight = []  # (work, flat bucket) of the buckets launched this step, in bucket order
-
-    def gradient_ready(self, bucket_index, param):
-        if not self.reduce_in_backward:
-            return  # accumulation: the gradient stays local until the step's last micro-batch
-        self.missing[bucket_index] -= 1
-        # Buckets start in bucket order on every rank, as DDP's do: ranks match collectives by their order, so a
-        # rank that started bucket 3 before bucket 2 would add its bucket 3 to another rank's bucket 2.
-        while len(self.in_flight) < len(self.buckets) and self.missing[len(self.in_flight)] == 0:
-            self.launch(len(self.in_flight))
-
-    def launch(self, bucket_index):
-        bucket = self.buckets[bucket_index]
-        # A parameter this rank's backward did not reach contributes zeros (a rank that skipped the bucket would
-        # leave the others waiting in it until dist.timeout_s). One that no rank reached gets a zero gradient,
-        # which AdamW still applies (momentum, weight decay), where DDP stops with an error at the next forward.
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in bucket])
-        for param in bucket:
-            param.grad = None  # the bucket holds it now: one copy of the gradients in memory, not two
-        flat = flat.to(self.wire_dtype)
-        self.in_flight.append((timed_all_reduce(flat, self.allreduce_spans), flat))
-
-    def finish(self):
-        for bucket_index in range(len(self.in_flight), len(self.buckets)):
-            self.launch(bucket_index)  # buckets still missing a gradient
-        with self.comm_wait:  # the communication that backward did not hide
-            for work, _ in self.in_flight:
-                # Without wait() nothing orders the sum before the optimizer's reads: on a GPU, work.wait() makes
-                # the compute stream wait for the communication stream (the host goes on); on gloo the host waits.
-                work.wait()
-        for bucket, (_, flat) in zip(self.buckets, self.in_flight):
-            averaged = flat.float().div_(dist.get_world_size())  # bf16 travelled; the division is in fp32
-            for param, grad in zip(bucket, averaged.split([p.numel() for p in bucket])):
-                param.grad = grad.view_as(param)  # a view of the bucket, no copy (DDP: gradient_as_bucket_view)
-        self.missing = [len(bucket) for bucket in self.buckets]
-        self.in_flight = []
-
-
-def bf16_allreduce_hook(allreduce_spans, bucket):
-    """DDP communication hook of dist.grad_compression=bf16: a bucket travels as bf16 and is divided by the
-    world size in fp32, as InlineReducer does it (DDP leaves the division to a registered hook). Not torch's
-    bf16_compress_hook: it divides in bf16, and DDP accepts a hook of that name only with NCCL (register_comm_hook)."""
-    buffer = bucket.buffer()
-    work = timed_all_reduce(buffer.to(torch.bfloat16), allreduce_spans)
-
-    def average(future):
-        return buffer.copy_(future.value()[0]).div_(dist.get_world_size())
-
-    return work.get_future().then(average)
-
-
-def timed_all_reduce(flat, allreduce_spans):
-    """Start the all_reduce (sum) of one flat bucket without waiting for it; its start and end go to allreduce_spans.
-    The end is stamped in a callback of the work's future: gloo runs it when the sum is done; NCCL runs it once
-    the all-reduce is enqueued, on a callback stream that waits for it (Work.get_future's documentation), so an
-    event recorded there completes with the all-reduce. Neither makes the host wait."""
-    started = time_stamp()
-    work = dist.all_reduce(flat, async_op=True)
-    work.get_future().then(lambda _: allreduce_spans.append((started, time_stamp())))
-    return work
-
-
-def time_stamp():
-    """Now: on a GPU a CUDA event recorded on the current stream, read at log time (reading it now would make
-    the host wait for the GPU); on a CPU the host clock."""
-    if not torch.cuda.is_available():
-        return time.perf_counter()
-    event = torch.cuda.Event(enable_timing=True)
-    event.record()
-    return event
-
-
-def elapsed_ms(start, end):
-    if isinstance(start, float):
-        return 1000 * (end - start)
-    end.synchronize()  # at log time only
-    return start.elapsed_time(end)
-
-
-def allreduce_latency(allreduce_spans):
-    """p50 and p95 of the interval's bucket all-reduces, in ms from launch to completion (waiting behind earlier
-    buckets included); None where none was timed (DDP's own all-reduce runs inside its C++ reducer). Removes
-    the spans it read: one a late gloo callback appends meanwhile stays for the next interval."""
-    count = len(allreduce_spans)
-    latency_ms = [elapsed_ms(start, end) for start, end in allreduce_spans[:count]]
-    del allreduce_spans[:count]
-    return {"allreduce_p50_ms": float(np.percentile(latency_ms, 50)) if latency_ms else None,
-            "allreduce_p95_ms": float(np.percentile(latency_ms, 95)) if latency_ms else None}
-
-
-def evaluate(model, val_data, cfg, world_size, rank, device, autocast):
-    """Mean loss per label token over the same validation batches every time, each rank computing its share.
-    Rank 0 alone would be world_size times slower, and would hang the others if the forward pass itself
-    communicates (DDP broadcasts buffers in forward when the model has any; FSDP all-gathers weights) or
-    outlasts dist.timeout_s."""
+    log0(line)
+    embedding = held(run.raw_model.get_input_embeddings().parameters())
+    log0(f"step {run.step} | input embedding (weights, gradients, optimizer state): "
+         + ", ".join(f"{size / 2**20:,.1f} MiB on {kind}"
+                     for kind, size in sorted(embedding.items())))
+
+
+# ----------------------------------------------------------------------------- 7. training loop
+
+class Interval:
+    """What the log line sums over the steps since the last one, and its clock, which validation and
+    checkpoints (`with interval.paused():`) do not count as training time."""
+
+    def __init__(self, device):
+        self.device = device
+        self.loss_sum = torch.zeros((), device=device, dtype=torch.float64)  # stays on the device
+        self.reset(time.perf_counter())
+
+    def reset(self, now):
+        self.steps = self.input_tokens = self.label_tokens = self.flops = self.skipped = 0
+        self.start, self.paused_s = now, 0.0
+        self.loss_sum.zero_()
+
+    def add_step(self, result, run, flops_of):
+        """A finished step: the run's position moves on; its tokens, FLOPs and loss are counted."""
+        _, input_tokens, label_tokens, lengths = result.done
+        run.samples_seen += run.cfg.train.global_batch_size
+        run.tokens_seen += input_tokens
+        self.steps, self.input_tokens = self.steps + 1, self.input_tokens + input_tokens
+        self.flops += flops_of(lengths)
+        self.skipped += result.bad
+        if not result.bad:  # a skipped step's loss is not in the log's
+            self.loss_sum += result.loss_sum
+            self.label_tokens += label_tokens
+
+    @contextlib.contextmanager
+    def paused(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()  # the step's own GPU work counts as training time
+        start = time.perf_counter()
+        yield
+        self.paused_s += time.perf_counter() - start
+
+
+def log_interval(interval, run, result):
+    """One line for the steps since the last: to the console (rank 0) and to metrics.jsonl."""
+    dist.all_reduce(interval.loss_sum)
+    loss_sum = interval.loss_sum.item()  # waits for the GPU: the clock then counts finished work
+    now = time.perf_counter()  # the next interval starts here: it pays for this line's work
+    elapsed = now - interval.start - interval.paused_s
+    # Every rank's busy time (the interval less its waits for the others at the step's sync) and the
+    # share of it its device sat idle while its host built batches: the slowest rank holds up all.
+    per_rank = gather_floats([elapsed - run.timers.sync_wait.total_s(),
+                              run.timers.data_wait.total_s() / elapsed], run.device)
+    busy = [busy_s for busy_s, _ in per_rank]
+    cuda, gib, several = run.device.type == "cuda", 2**30, len(per_rank) > 1
+    record = {
+        "kind": "train", "step": run.step, "grad_norm": result.grad_norm.item(), "lr": result.lr,
+        "loss": loss_sum / interval.label_tokens if interval.label_tokens else None,  # all skipped
+        "tokens_per_sec": interval.input_tokens / elapsed,
+        "steps_per_sec": interval.steps / elapsed,
+        "mfu": (interval.flops / (elapsed * run.peak_flops * len(per_rank)) if run.peak_flops
+                else None),
+        "gpu_util": None,
+        "mem_alloc_gib": torch.cuda.memory_allocated() / gib if cuda else None,
+        "mem_reserved_gib": torch.cuda.memory_reserved() / gib if cuda else None,
+        "mem_peak_gib": torch.cuda.max_memory_allocated() / gib if cuda else None,
+        # times the caching allocator found no free block, released its cache and allocated again
+        "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else None,
+        **comm_figures(run.timers, interval.steps),
+        "data_wait_frac": max(frac for _, frac in per_rank),
+        "step_time_skew": max(busy) / max(min(busy), 1e-9) if several else None,
+        "slowest_rank": busy.index(max(busy)) if several else None,
+        "tokens_seen": run.tokens_seen, "skipped_steps": interval.skipped,
+        "eta_s": elapsed / interval.steps * (run.cfg.train.max_steps - run.step),
+    }
+    record["gpu_util"] = run.exporters.gpu_util()  # metrics
+    write_metrics(run, record)
+    log0(log_line(record, run.cfg.train.max_steps))
+    interval.reset(now)
+
+
+def comm_figures(timers, steps):
+    """The interval's p50 and p95 bucket all-reduce, in ms from its start to its end, and the wait
+    for them per step that backward did not hide (our reducers'; DDP's run inside its C++ reducer:
+    null)."""
+    spans, count = timers.allreduce_spans, len(timers.allreduce_spans)  # a late callback's stays
+    latency_ms = [1000 * (end - start) if isinstance(start, float) else
+                  end.synchronize() or start.elapsed_time(end) for start, end in spans[:count]]
+    del spans[:count]
+    percentile = {q: float(np.percentile(latency_ms, q)) if latency_ms else None for q in (50, 95)}
+    exposed_ms = 1000 * timers.comm_wait.total_s() / steps if timers.comm_wait else None
+    return {"comm_exposed_ms": exposed_ms, "allreduce_p50_ms": percentile[50],
+            "allreduce_p95_ms": percentile[95]}
+
+
+def log_line(record, max_steps):
+    """The console's compact line: each figure only where it exists."""
+    loss = "n/a" if record["loss"] is None else f"{record['loss']:.4f}"
+    line = (f"step {record['step']}/{max_steps} | loss {loss} | lr {record['lr']:.2e} | grad "
+            f"{record['grad_norm']:.3f} | {record['tokens_per_sec'] / 1e3:.1f}k tok/s")
+    parts = [("mfu", lambda r: f"MFU {100 * r['mfu']:.1f}%"),
+             ("mem_alloc_gib", lambda r: f"mem {r['mem_alloc_gib']:.1f}/"
+                                         f"{r['mem_reserved_gib']:.1f}/{r['mem_peak_gib']:.1f} GiB "
+                                         "alloc/res/peak"),
+             ("alloc_retries", lambda r: f"alloc retries {r['alloc_retries']}"),
+             ("gpu_util", lambda r: f"gpu {r['gpu_util']:.0f}%"),
+             ("comm_exposed_ms", lambda r: f"comm exposed {r['comm_exposed_ms']:.1f} ms/step"),
+             ("allreduce_p50_ms", lambda r: f"all-reduce p50/p95 {r['allreduce_p50_ms']:.1f}/"
+                                            f"{r['allreduce_p95_ms']:.1f} ms"),
+             ("data_wait_frac", lambda r: f"data {100 * r['data_wait_frac']:.1f}%"),
+             ("step_time_skew", lambda r: f"skew {r['step_time_skew']:.2f} "
+                                          f"(rank {r['slowest_rank']})")]
+    line += "".join(f" | {text(record)}" for key, text in parts if record[key] or (
+        key == "data_wait_frac" or (record[key] is not None and key != "alloc_retries")))
+    minutes, seconds = divmod(int(record["eta_s"]), 60)
+    hours, minutes = divmod(minutes, 60)
+    return line + f" | ETA {f'{hours}h{minutes:02d}m' if hours else f'{minutes}m{seconds:02d}s'}"
+
+
+def validate(model, val_data, run):
+    """The mean loss per label token over the same validation batches every time, each rank doing
+    its share: rank 0 alone would be world_size times slower, and would hang the others if the
+    forward itself communicates (FSDP all-gathers weights) or outlasts dist.timeout_s."""
     model.eval()
-    loss_sum, label_tokens = torch.zeros((), device=device, dtype=torch.float64), 0
+    loss_sum, label_tokens = torch.zeros((), device=run.device, dtype=torch.float64), 0
     with torch.no_grad():
-        for batch_index in range(cfg.train.eval_batches):
-            position = (batch_index * cfg.train.global_batch_size) % len(val_data)
-            micro_batches, _, batch_label_tokens, _ = rank_batches(val_data, position, None, cfg, world_size, rank, device)
+        for batch_index in range(run.cfg.train.eval_batches):
+            position = (batch_index * run.cfg.train.global_batch_size) % len(val_data)
+            micro_batches, _, batch_label_tokens, _ = rank_batches(
+                val_data, position, None, run.cfg, dist.get_world_size(), dist.get_rank(),
+                run.device)
             label_tokens += batch_label_tokens
             for batch in micro_batches:
-                with autocast:
-                    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+                with run.autocast:
+                    logits = model(input_ids=batch["input_ids"],
+                                   attention_mask=batch["attention_mask"]).logits
                 loss_sum += token_loss_sum(logits, batch["labels"])
     dist.all_reduce(loss_sum)
     model.train()
-    return loss_sum.item() / max(1, label_tokens)
-
-
-class StepVerdicts:
-    """Each step's verdict (its gradient non-finite on some rank, a stop asked of some rank: a tensor on the
-    device, all-reduced) as the host learns it, one step late: the update needs no host (optimizer.found_inf),
-    so main() reads it (settle) during the next step's first micro-batch, while the GPU runs that, or before a
-    log line, validation, a checkpoint and the last step's end. Counts the log interval's skipped steps and the
-    label tokens of its updated steps (the loss's divisor)."""
-
-    def __init__(self, max_bad_steps):
-        self.max_bad_steps = max_bad_steps
-        self.pending = None  # (step, verdict, label tokens) of the step not read yet
-        self.bad_in_a_row, self.skipped, self.label_tokens = 0, 0, 0
-        self.stop = False  # a rank was asked to stop: every rank learns it at the same step, from the same verdict
-
-    def defer(self, step, verdict, label_tokens):
-        self.pending = (step, verdict, label_tokens)
-
-    def settle(self):
-        """Read the pending verdict: waits for the GPU to finish that step's gradient and all-reduce."""
-        if self.pending is None:
-            return
-        (step, verdict, label_tokens), self.pending = self.pending, None
-        bad_gradient, stop = (value > 0 for value in verdict.tolist())
-        self.stop = self.stop or stop
-        if not bad_gradient:
-            self.bad_in_a_row = 0
-            self.label_tokens += label_tokens
-            return
-        self.bad_in_a_row += 1
-        self.skipped += 1
-        log0(f"step {step} | non-finite gradient: update skipped ({self.bad_in_a_row} in a row)")
-        if self.bad_in_a_row >= self.max_bad_steps:
-            die(f"{self.bad_in_a_row} steps in a row had a non-finite gradient (train.max_bad_steps="
-                f"{self.max_bad_steps}); no update was made from them and no checkpoint holds them -> "
-                "lower optim.lr or raise optim.warmup_steps, and check the data")
+    val_loss = loss_sum.item() / max(1, label_tokens)
+    log0(f"step {run.step} | val loss {val_loss:.4f}")
+    write_metrics(run, {"kind": "val", "step": run.step, "val_loss": val_loss})
 
 
 def catch_stop_signals():
-    """SIGTERM (a scheduler's preemption notice; torchrun passes one on to every worker, then kills them 30 s
-    later by default: torch 2.13 reads TORCH_ELASTIC_SHUTDOWN_TIMEOUT, added by pytorch PR #172596, which older
-    versions may lack) and SIGINT (Ctrl-C) ask for a clean stop: the list returned gets the signal's name, and
-    the training loop stops every rank at the end of the same step (the one after the step whose verdict first
-    carries it, where that verdict is read late: StepVerdicts), after a checkpoint. A second signal stops at once."""
+    """SIGTERM (a scheduler's preemption; torchrun passes it on to every worker and kills them 30 s
+    later by default) and SIGINT (Ctrl-C) ask for a clean stop: the list returned gets the signal's
+    name, and every rank stops after the same step, with a checkpoint. A second signal stops at
+    once."""
     requested = []
 
     def on_signal(number, frame):
@@ -1865,20 +1636,18 @@ def catch_stop_signals():
 
 
 def open_metrics(out_dir, step):
-    """metrics.jsonl, kept across restarts. Records past `step`, the checkpoint this run resumes from, go:
-    those steps run again, and would otherwise appear twice."""
+    """metrics.jsonl, kept across restarts: records past `step`, the checkpoint this run resumes
+    from, go, since those steps run again."""
     path = out_dir / "metrics.jsonl"
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         if path.exists():
             kept = []
             for line in path.read_text().splitlines():
-                try:
+                with contextlib.suppress(json.JSONDecodeError):  # a line cut short by a crash goes
                     record = json.loads(line)
-                except json.JSONDecodeError:
-                    continue  # a line cut short by a crash
-                if record.get("kind") == "start" or record.get("step", 0) <= step:
-                    kept.append(line + "\n")
+                    if record.get("kind") == "start" or record.get("step", 0) <= step:
+                        kept.append(line + "\n")
             temporary = out_dir / f".metrics-{os.getpid()}.jsonl"
             temporary.write_text("".join(kept))
             os.replace(temporary, path)
@@ -1887,109 +1656,30 @@ def open_metrics(out_dir, step):
         die(f"cannot write {path} ({error}) -> set out_dir to a writable directory")
 
 
-def open_metrics_log(cfg, out_dir, step, rank, local_rank):
-    """metrics.jsonl and TensorBoard on rank 0, a Prometheus endpoint on every rank: each optional piece that
-    is missing says so in one line and the run goes on."""
-    metrics_file = on_rank0(open_metrics, out_dir, step, share_result=False)
-    tensorboard, prometheus, outputs = None, None, [f"{out_dir / 'metrics.jsonl'}"]
-    if cfg.log.tensorboard and rank == 0:
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-            # a resumed run replays the steps after its checkpoint: purge_step hides their first-run events
-            tensorboard = SummaryWriter(out_dir / "tensorboard", purge_step=step + 1 if step else None)
-            outputs.append(f"TensorBoard {out_dir / 'tensorboard'}")
-        except ImportError:
-            log0("note: no TensorBoard logs: tensorboard is not installed -> pip install tensorboard, "
-                 "or log.tensorboard=false")
-    if cfg.log.prometheus_port:
-        prometheus = on_all_ranks(start_prometheus, cfg.log.prometheus_port + local_rank)
-        if prometheus is None:
-            log0("note: no Prometheus endpoint: prometheus_client is not installed -> pip install prometheus_client")
-        else:
-            outputs.append(f"Prometheus on port {cfg.log.prometheus_port} + local rank, every interface, /metrics")
-    log0(f"metrics: {', '.join(outputs)}")
-    return MetricsLog(metrics_file, tensorboard, prometheus, rank)
-
-
-def start_prometheus(port):
-    """prometheus_client's HTTP server for this process's gauges, in a thread of its own; None without the
-    package. Its own registry: the default one is global, and a second run in one process (the tests) would
-    register its gauges twice there."""
-    try:
-        import prometheus_client
-    except ImportError:
-        return None
-    registry = prometheus_client.CollectorRegistry()
-    try:
-        server, _ = prometheus_client.start_http_server(port, registry=registry)
-    except (OSError, OverflowError) as error:
-        die(f"cannot serve Prometheus metrics on port {port} ({first_line(error)}) -> choose another "
-            "log.prometheus_port (each process takes it + its local rank), or log.prometheus_port=0 for none")
-    return SimpleNamespace(client=prometheus_client, registry=registry, server=server, gauges={})
-
-
-class MetricsLog:
-    """Where each record goes: rank 0 appends it to metrics.jsonl and TensorBoard; every rank sets its
-    Prometheus gauges. Any number the record holds is exported, under its own name: a key that is null
-    (None) today appears in TensorBoard and Prometheus as soon as it holds a number."""
-
-    def __init__(self, metrics_file, tensorboard, prometheus, rank):
-        self.metrics_file, self.tensorboard, self.prometheus, self.rank = metrics_file, tensorboard, prometheus, rank
-
-    def write(self, record):
-        if self.metrics_file:
-            self.metrics_file.write(json.dumps(record) + "\n")
-            self.metrics_file.flush()
-        if record["kind"] == "start":
-            return
-        numbers = {key: value for key, value in record.items()
-                   if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step"}
-        if self.tensorboard:
-            for key, value in numbers.items():
-                self.tensorboard.add_scalar(f"{record['kind']}/{key}", value, record["step"])
-        if self.prometheus:
-            gauges = self.prometheus.gauges.setdefault(record["kind"], {})
-            if record["kind"] == "train":
-                numbers["step"] = record["step"]  # last: a scrape that reads step N reads no value older than N's
-            for key in gauges.keys() - numbers.keys():  # null this time: NaN rather than an old number
-                gauges[key].set(float("nan"))
-            for key, value in numbers.items():
-                if key not in gauges:
-                    gauges[key] = self.prometheus.client.Gauge(
-                        f"trainer_{key}", f"metrics.jsonl's {key} ({record['kind']} records)", ["rank"],
-                        registry=self.prometheus.registry).labels(rank=str(self.rank))
-                gauges[key].set(value)
-
-    def close(self):
-        if self.metrics_file:
-            self.metrics_file.close()
-        if self.tensorboard:
-            self.tensorboard.close()
-        if self.prometheus:
-            self.prometheus.server.shutdown()
-            self.prometheus.server.server_close()  # frees the port at once (shutdown alone leaves it bound)
+def write_metrics(run, record):
+    if run.metrics:
+        run.metrics.write(json.dumps(record) + "\n")
+        run.metrics.flush()
+    export_metrics(run.exporters, record)  # metrics
 
 
 class SpanTimer:
-    """The time of one recurring part of a step (building the next batches, waiting for the other ranks),
-    summed over a log interval without making the host wait for the GPU. Used as `with timer:` around it.
-
-    On a GPU the host runs ahead, and what counts is what the GPU does meanwhile: two CUDA events on its
-    stream time the span as the GPU lives it (from the end of the work queued before the span to the end
-    of the work queued in it, idle time included). They are read at the log line, after its wait for the
-    GPU, when every recorded event has happened. On a CPU each operation ends before the next one starts,
-    so the host's clock tells the same."""
+    """The time of one recurring part of a step (building batches, waiting for the other ranks),
+    summed over a log interval without making the host wait for the GPU: `with timer:` around it. On
+    a GPU the host runs ahead, and what counts is what the GPU does meanwhile: two CUDA events on
+    its stream time the span as the GPU lives it (idle time included), read after the log line's
+    wait for the GPU. On a CPU each operation ends before the next starts: the host's clock tells
+    it."""
 
     def __init__(self, device):
-        self.on_gpu = device.type == "cuda"
-        self.host_s, self.recorded, self.spare = 0.0, [], []
+        self.on_gpu, self.host_s, self.recorded, self.spare = device.type == "cuda", 0.0, [], []
 
     def __enter__(self):
         if self.on_gpu:
-            self.events = self.spare.pop() if self.spare else [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+            self.events = self.spare.pop() if self.spare else [torch.cuda.Event(enable_timing=True)
+                                                               for _ in range(2)]
             self.events[0].record()
-        else:
-            self.started = time.perf_counter()
+        self.started = time.perf_counter()
 
     def __exit__(self, *exception):
         if self.on_gpu:
@@ -2001,7 +1691,7 @@ class SpanTimer:
     def total_s(self):
         """Seconds since the last call (on a GPU: call it only after waiting for the GPU)."""
         total = self.host_s + sum(start.elapsed_time(end) for start, end in self.recorded) / 1e3
-        self.spare += self.recorded  # events are reused: creating two per span and step would cost more
+        self.spare += self.recorded  # reused: two new events per span and step would cost more
         self.host_s, self.recorded = 0.0, []
         return total
 
@@ -2014,107 +1704,37 @@ def gather_floats(values, device):
     return torch.stack(everyone).tolist()
 
 
-def gpu_util_reader(device, enabled):
-    """A function returning this GPU's utilisation in percent, NVML's own figure: the share of its last
-    sample period (between 1/6 s and 1 s by product, says NVML's nvmlDeviceGetUtilizationRates) in which a
-    kernel ran, whatever the kernel (a collective waiting for another rank counts as busy). None without a
-    GPU, without pynvml (pip install nvidia-ml-py), or where NVML cannot tell (a MIG slice, for one)."""
-    if device.type != "cuda" or not enabled:
-        return None
-    try:
-        import pynvml
-    except ImportError:
-        log0("note: no GPU utilisation: pynvml is not installed -> pip install nvidia-ml-py, or log.gpu_util=false")
-        return None
-    try:
-        pynvml.nvmlInit()
-        # By UUID, not by index: CUDA numbers the GPUs CUDA_VISIBLE_DEVICES leaves, in its order (fastest first
-        # without CUDA_DEVICE_ORDER=PCI_BUS_ID); NVML numbers all GPUs of the machine by PCI bus.
-        handle = pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{torch.cuda.get_device_properties(device).uuid}")
-        pynvml.nvmlDeviceGetUtilizationRates(handle)  # where NVML cannot tell, say so now, not at every log line
-    except pynvml.NVMLError as error:
-        log0(f"note: no GPU utilisation: NVML: {first_line(error)}")
-        return None
-
-    def read_gpu_util():
-        try:
-            return pynvml.nvmlDeviceGetUtilizationRates(handle).gpu
-        except pynvml.NVMLError:
-            return None
-
-    return read_gpu_util
-
-
-def log_line(record, max_steps):
-    """The console's compact line: each figure only where it exists."""
-    loss = "n/a" if record["loss"] is None else f"{record['loss']:.4f}"
-    line = (f"step {record['step']}/{max_steps} | loss {loss} | lr {record['lr']:.2e} | grad {record['grad_norm']:.3f} "
-            f"| {record['tokens_per_sec'] / 1e3:.1f}k tok/s")
-    if record["mfu"] is not None:
-        line += f" | MFU {100 * record['mfu']:.1f}%"
-    if record["mem_alloc_gib"] is not None:
-        line += (f" | mem {record['mem_alloc_gib']:.1f}/{record['mem_reserved_gib']:.1f}/"
-                 f"{record['mem_peak_gib']:.1f} GiB alloc/res/peak")
-    if record["alloc_retries"]:
-        line += f" | alloc retries {record['alloc_retries']}"
-    if record["gpu_util"] is not None:
-        line += f" | gpu {record['gpu_util']:.0f}%"
-    if record["comm_exposed_ms"] is not None:
-        line += f" | comm exposed {record['comm_exposed_ms']:.1f} ms/step"
-    if record["allreduce_p50_ms"] is not None:
-        line += f" | all-reduce p50/p95 {record['allreduce_p50_ms']:.1f}/{record['allreduce_p95_ms']:.1f} ms"
-    line += f" | data {100 * record['data_wait_frac']:.1f}%"
-    if record["step_time_skew"] is not None:
-        line += f" | skew {record['step_time_skew']:.2f} (rank {record['slowest_rank']})"
-    return line + f" | ETA {format_seconds(record['eta_s'])}"
-
-
-# Dense bf16 tensor-core peak per GPU (no sparsity), TFLOP/s, from NVIDIA's datasheets, keyed by the exact name
-# torch.cuda.get_device_name() reports. Exact names only: a substring match reads "NVIDIA L40" as an L4 and
-# an H100 NVL as an SXM part. For any other GPU set log.peak_tflops.
-PEAK_BF16_TFLOPS = {
-    "NVIDIA H200": 989,  # the SXM part; our H200 machines report this name
-    "NVIDIA H100 80GB HBM3": 989,  # SXM5
-    "NVIDIA H100 PCIe": 756,
-    "NVIDIA A100-SXM4-80GB": 312,
-    "NVIDIA A100-SXM4-40GB": 312,
-    "NVIDIA A100 80GB PCIe": 312,
-    "NVIDIA A100-PCIE-40GB": 312,
-}
+# Dense bf16 tensor-core peak per GPU (no sparsity), TFLOP/s, from NVIDIA's datasheets, by the exact
+# name torch.cuda.get_device_name() reports: a substring match would read "NVIDIA L40" as an L4.
+PEAK_BF16_TFLOPS = {"NVIDIA H200": 989, "NVIDIA H100 80GB HBM3": 989, "NVIDIA H100 PCIe": 756,
+                    "NVIDIA A100-SXM4-80GB": 312, "NVIDIA A100-SXM4-40GB": 312,
+                    "NVIDIA A100 80GB PCIe": 312, "NVIDIA A100-PCIE-40GB": 312}
 
 
 def peak_flops_per_gpu(device, peak_tflops):
-    """FLOP/s that 100% MFU stands for, or None (no MFU shown) on CPU and unknown GPUs."""
-    if device.type != "cuda":
-        return None
-    if peak_tflops:
-        return peak_tflops * 1e12
+    """FLOP/s that 100% MFU stands for, or None (no MFU shown) on CPUs and GPUs not in the table."""
+    if device.type != "cuda" or peak_tflops:
+        return peak_tflops * 1e12 if device.type == "cuda" else None
     name = torch.cuda.get_device_name(device)
     if name not in PEAK_BF16_TFLOPS:
-        log0(f"note: no MFU: the bf16 peak of '{name}' is not in PEAK_BF16_TFLOPS -> set log.peak_tflops")
-        return None
-    return PEAK_BF16_TFLOPS[name] * 1e12
-
-
-def format_seconds(seconds):
-    minutes, seconds = divmod(int(seconds), 60)
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{seconds:02d}s"
+        log0(f"note: no MFU: the bf16 peak of '{name}' is not in PEAK_BF16_TFLOPS -> set "
+             "log.peak_tflops")
+    return PEAK_BF16_TFLOPS[name] * 1e12 if name in PEAK_BF16_TFLOPS else None
 
 
 def export_final(raw_model, data_dir, meta, final_dir, task, cfg, device):
-    """save_pretrained + the tokenizer: loadable with AutoModelFor...from_pretrained(final_dir)."""
-    transformers_logging.disable_progress_bar()  # a progress bar per one-file save is noise in a log
-    tokenizer_core = Tokenizer.from_file(str(data_dir / meta["tokenizer_file"]))
-    names = {key: tokenizer_core.id_to_token(token_id) for key, token_id in meta["special_tokens"].items()}
+    """save_pretrained and the tokenizer: loadable with
+    AutoModelFor...from_pretrained(final_dir)."""
+    transformers_logging.disable_progress_bar()  # a bar per one-file save is noise in a log
+    core = Tokenizer.from_file(str(data_dir / meta["tokenizer_file"]))
+    names = {key: core.id_to_token(token_id) for key, token_id in meta["special_tokens"].items()}
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer_core, eos_token=names["eot"], bos_token=names["eot"], pad_token=names["pad"],
-        mask_token=names["mask"], cls_token=names["cls"], sep_token=names["sep"],
-    )
-    if isinstance(raw_model.get_input_embeddings(), TieredEmbedding):  # tiered: one table in token id order again
-        raw_model.set_input_embeddings(raw_model.get_input_embeddings().merged().to(device))
-    raw_model.config.use_cache = True  # off for training (build_model); generation wants it back
-    if raw_model.config._attn_implementation == "sdpa_causal":  # ours ignores padding: not for other users
+        tokenizer_object=core, eos_token=names["eot"], bos_token=names["eot"],
+        pad_token=names["pad"], mask_token=names["mask"], cls_token=names["cls"],
+        sep_token=names["sep"])
+    untier(raw_model, device)  # tiered
+    raw_model.config.use_cache = True  # off for training (model_config); generation wants it
+    if raw_model.config._attn_implementation == "sdpa_causal":  # ignores padding: not for others
         raw_model.set_attn_implementation("sdpa")
     raw_model.save_pretrained(final_dir)
     tokenizer.save_pretrained(final_dir)
@@ -2122,61 +1742,561 @@ def export_final(raw_model, data_dir, meta, final_dir, task, cfg, device):
     if task == "causal" and cfg.log.sample_prompt:
         raw_model.eval()
         prompt = torch.tensor([tokenizer.encode(cfg.log.sample_prompt)], device=device)
-        new_tokens = min(cfg.log.sample_tokens, raw_model.config.max_position_embeddings - prompt.shape[1])
+        room = raw_model.config.max_position_embeddings - prompt.shape[1]
+        new_tokens = min(cfg.log.sample_tokens, room)
         with torch.no_grad():
-            generated = raw_model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
-                                           do_sample=True, top_k=40,
+            generated = raw_model.generate(prompt, attention_mask=torch.ones_like(prompt), top_k=40,
+                                           max_new_tokens=new_tokens, do_sample=True,
                                            pad_token_id=meta["special_tokens"]["pad"])
-        print("sample:\n" + tokenizer.decode(generated[0].tolist(), skip_special_tokens=True), flush=True)
+        sample = tokenizer.decode(generated[0].tolist(), skip_special_tokens=True)
+        print(f"sample:\n{sample}", flush=True)
 
 
 def report_lost_ranks(error):
-    """A collective failed (a rank stopped answering for dist.timeout_s, or died): one line saying which
-    timeout fired and, where the others can tell, which ranks stopped answering."""
+    """A collective failed (a rank stopped answering for dist.timeout_s, or died): one line saying
+    which, and where the others can tell, which ranks stopped answering."""
     rank, text = dist.get_rank(), first_line(error)
     if "timed out" not in text.lower() and "timeout" not in text.lower():
-        print(f"error: rank {rank} lost contact with another rank ({text}) -> look above for the first rank that "
-              "failed; launch.sh restarts the job from the last checkpoint (MAX_RESTARTS)", file=sys.stderr, flush=True)
+        print(f"error: rank {rank} lost contact with another rank ({text}) -> look above for the "
+              "first rank that failed; launch.sh restarts the job from the last checkpoint "
+              "(MAX_RESTARTS)", file=sys.stderr, flush=True)
         return
     silent = "unknown"
-    try:  # the ranks that timed out say so in torchrun's store; the others are the ones that stopped answering
-        store = dist.distributed_c10d._get_default_store()
+    with contextlib.suppress(Exception):  # the store may have gone with the failure: say nothing
+        store = dist.distributed_c10d._get_default_store()  # ranks that timed out say so there
         store.set(f"timed_out/{rank}", "1")
         time.sleep(3)
-        silent = [other for other in range(dist.get_world_size()) if not store.check([f"timed_out/{other}"])] or "none"
-    except Exception:  # the store went with the failure: say nothing about ranks rather than something wrong
-        pass
-    print(f"error: rank {rank}: a collective waited longer than dist.timeout_s; ranks that stopped answering: "
-          f"{silent} -> look at "
-          "their logs (a hang, a deadlock, a dead node); raise dist.timeout_s if they are only slow",
-          file=sys.stderr, flush=True)
+        silent = [other for other in range(dist.get_world_size())
+                  if not store.check([f"timed_out/{other}"])] or "none"
+    print(f"error: rank {rank}: a collective waited longer than dist.timeout_s; ranks that stopped "
+          f"answering: {silent} -> look at their logs (a hang, a deadlock, a dead node); raise "
+          "dist.timeout_s if they are only slow", file=sys.stderr, flush=True)
+
+
+# ============================================================================== metrics: begin
+# Optional exporters: TensorBoard scalars (rank 0), a Prometheus endpoint per process, NVML's GPU
+# utilisation. Delete this block and the lines tagged # metrics: metrics.jsonl stays.
+
+def start_exporters(cfg, step, device):
+    """Each exporter asked for, or None where its package is missing (said in one line)."""
+    exporters, outputs = SimpleNamespace(tensorboard=None, prometheus=None), []
+    if cfg.log.tensorboard and dist.get_rank() == 0:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+            # a resumed run replays the steps after its checkpoint: purge_step hides the first run's
+            exporters.tensorboard = SummaryWriter(Path(cfg.out_dir) / "tensorboard",
+                                                  purge_step=step + 1 if step else None)
+            outputs.append(f"TensorBoard {Path(cfg.out_dir) / 'tensorboard'}")
+        except ImportError:
+            log0("note: no TensorBoard logs: tensorboard is not installed -> pip install "
+                 "tensorboard, or log.tensorboard=false")
+    if cfg.log.prometheus_port:
+        exporters.prometheus = on_all_ranks(start_prometheus, cfg.log.prometheus_port +
+                                            int(os.environ.get("LOCAL_RANK", "0")))
+        outputs += [f"Prometheus on port {cfg.log.prometheus_port} + local rank, every interface, "
+                    "/metrics"] if exporters.prometheus else []
+        if exporters.prometheus is None:
+            log0("note: no Prometheus endpoint: prometheus_client is not installed -> pip install "
+                 "prometheus_client")
+    exporters.gpu_util = gpu_util_reader(device, cfg.log.gpu_util) or (lambda: None)
+    log0(f"metrics: {', '.join([str(Path(cfg.out_dir) / 'metrics.jsonl'), *outputs])}")
+    return exporters
+
+
+def start_prometheus(port):
+    """prometheus_client's HTTP server for this process's gauges, in a thread of its own; None
+    without the package. Its own registry: a second run in one process would register its gauges
+    twice."""
+    try:
+        import prometheus_client
+    except ImportError:
+        return None
+    registry = prometheus_client.CollectorRegistry()
+    try:
+        server, _ = prometheus_client.start_http_server(port, registry=registry)
+    except (OSError, OverflowError) as error:
+        die(f"cannot serve Prometheus metrics on port {port} ({first_line(error)}) -> choose "
+            "another log.prometheus_port (each process takes it + its local rank), or 0 for none")
+    return SimpleNamespace(client=prometheus_client, registry=registry, server=server, gauges={})
+
+
+def export_metrics(exporters, record):
+    """Every number of a record, under its own name: TensorBoard on rank 0, a gauge on every rank
+    (a key that is null today appears as soon as it holds a number)."""
+    numbers = {key: value for key, value in record.items()
+               if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step"}
+    if exporters.tensorboard and record["kind"] != "start":
+        for key, value in numbers.items():
+            exporters.tensorboard.add_scalar(f"{record['kind']}/{key}", value, record["step"])
+    if exporters.prometheus and record["kind"] != "start":
+        gauges = exporters.prometheus.gauges.setdefault(record["kind"], {})
+        if record["kind"] == "train":
+            numbers["step"] = record["step"]  # last: a scrape reading step N reads no older value
+        for key in gauges.keys() - numbers.keys():  # null this time: NaN, not an old number
+            gauges[key].set(float("nan"))
+        for key, value in numbers.items():
+            if key not in gauges:
+                gauges[key] = exporters.prometheus.client.Gauge(
+                    f"trainer_{key}", f"metrics.jsonl's {key} ({record['kind']} records)", ["rank"],
+                    registry=exporters.prometheus.registry).labels(rank=str(dist.get_rank()))
+            gauges[key].set(value)
+
+
+def gpu_util_reader(device, enabled):
+    """A function giving this GPU's utilisation from NVML: the share of its last sample period in
+    which any kernel ran (a collective waiting for another rank counts as busy). None on a CPU, with
+    log.gpu_util=false, without pynvml, or where NVML cannot tell (a MIG slice)."""
+    if device.type != "cuda" or not enabled:
+        return None
+    try:
+        import pynvml
+    except ImportError:
+        return log0("note: no GPU utilisation: pynvml is not installed -> pip install "
+                    "nvidia-ml-py, or log.gpu_util=false")
+    try:
+        pynvml.nvmlInit()
+        # by UUID, not index: CUDA numbers the GPUs CUDA_VISIBLE_DEVICES leaves, NVML all by PCI bus
+        uuid = torch.cuda.get_device_properties(device).uuid
+        handle = pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}")
+        pynvml.nvmlDeviceGetUtilizationRates(handle)  # where NVML cannot tell, say so now
+    except pynvml.NVMLError as error:
+        return log0(f"note: no GPU utilisation: NVML: {first_line(error)}")
+
+    def read():
+        with contextlib.suppress(pynvml.NVMLError):
+            return pynvml.nvmlDeviceGetUtilizationRates(handle).gpu
+
+    return read
+
+
+def stop_exporters(exporters):
+    if exporters.tensorboard:
+        exporters.tensorboard.close()
+    if exporters.prometheus:
+        exporters.prometheus.server.shutdown()
+        exporters.prometheus.server.server_close()  # frees the port at once
+# ============================================================================== metrics: end
+
+
+# ============================================================================== tiered: begin
+# model.embedding_gpu_rows=K: the input embedding's rows of the K most frequent tokens on the GPU,
+# the others in CPU memory, for vocabularies of some hundred thousand tokens. Delete this block and
+# the lines tagged # tiered: the embedding is then one table on the GPU, as transformers builds it.
+
+def tier_embedding(raw_model, data_dir, meta, cfg, precision, device):
+    """Put a TieredEmbedding in place of the model's input embedding (before it goes to the GPU,
+    so the whole table never does), its GPU rows those of the most frequent tokens of the train
+    split."""
+    if not cfg.model.embedding_gpu_rows:
+        return
+    embedding, output, rows = raw_model.get_input_embeddings(), raw_model.get_output_embeddings(), \
+        cfg.model.embedding_gpu_rows
+    rebuild = f"-> rebuild the data: python preprocess.py --out {data_dir} --force"
+    if output is not None and output.weight is embedding.weight:
+        die("model.embedding_gpu_rows needs an output layer of its own, and this model ties it to "
+            "the input embedding: the output layer multiplies every row at every step, so no row "
+            "could stay in CPU memory -> set model.tie_word_embeddings=false (the output layer "
+            "then has weights of its own: vocabulary x width more)")
+    if precision == "fp16":
+        die("model.embedding_gpu_rows does not train in fp16: the grad scaler would not see the "
+            "gradient of the rows in CPU memory -> use train.precision=bf16 or fp32")
+    if not isinstance(embedding, torch.nn.Embedding):
+        die(f"model.embedding_gpu_rows splits a torch.nn.Embedding; this model's input embedding "
+            f"is a {type(embedding).__name__} -> set model.embedding_gpu_rows=0")
+    if rows >= embedding.num_embeddings:
+        die(f"model.embedding_gpu_rows={rows} is not below the embedding's "
+            f"{embedding.num_embeddings} rows, so no row would stay in CPU memory -> set it lower, "
+            "or 0 for one table")
+    frequency_file = data_dir / meta.get("token_frequencies_file", "token_frequencies.npy")
+    try:
+        frequencies = np.load(frequency_file)
+    except (OSError, ValueError) as error:
+        die(f"model.embedding_gpu_rows needs the token frequencies of the data, and "
+            f"{frequency_file} cannot be read ({first_line(error)}) {rebuild}")
+    if frequencies.shape != (meta["vocab_size"],):
+        die(f"{frequency_file} holds {frequencies.size} counts for a vocabulary of "
+            f"{meta['vocab_size']} {rebuild}")
+    user_set = {"PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"} & set(os.environ)
+    if device.type == "cuda" and not user_set:
+        # a step's CPU rows vary in number, so its GPU tensors change size at every step: with the
+        # allocator's expandable segments (set before our first allocation) they do not fragment it
+        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    hot_ids = hottest_token_ids(frequencies, embedding.num_embeddings, rows)
+    tiered = TieredEmbedding(embedding, hot_ids, device)
+    raw_model.set_input_embeddings(tiered)
+    counted = hot_ids[hot_ids < len(frequencies)].numpy()
+    covered = frequencies[counted].sum() / max(1, frequencies.sum())
+    log0(f"input embedding tiered: the rows of the {len(hot_ids):,} most frequent tokens "
+         f"({100 * covered:.1f}% of the train tokens) on {device.type}, the other "
+         f"{len(tiered.cold_ids):,} in CPU memory (not counted below)")
+
+
+def hottest_token_ids(frequencies, rows, count):
+    """The `count` most frequent of `rows` token ids, most frequent first; equal counts go to the
+    lower id (a stable sort): every rank and run picks the same rows. Ids past the table count 0."""
+    counts = np.zeros(rows, np.int64)
+    counts[:min(rows, len(frequencies))] = frequencies[:rows]
+    return torch.from_numpy(np.argsort(-counts, kind="stable")[:count].copy())
+
+
+def stage_tiered(raw_model, split_data, position, batches, cfg):
+    """Start copying the CPU rows of the step at `position` to the GPU (TieredEmbedding.stage)."""
+    embedding = raw_model.get_input_embeddings()
+    if isinstance(embedding, TieredEmbedding):
+        embedding.stage(batches[0], step_input_ids(split_data, position, cfg, batches[0]))
+
+
+def end_tiered_step(raw_model, optimizer, skipped):
+    """After the optimizer's update: lazy AdamW on the step's CPU rows (TieredEmbedding.step)."""
+    embedding = raw_model.get_input_embeddings()
+    if isinstance(embedding, TieredEmbedding):
+        embedding.updates += 1
+        if embedding.updates == 2:  # the step's rows and the next step's are all there
+            held = sorted(embedding.held_mib(optimizer).items())
+            log0("input embedding tiered, held at its second step (weights, gradients, optimizer "
+                 "state, the step's CPU rows on the GPU): "
+                 + ", ".join(f"{mib:,.1f} MiB on {kind}" for kind, mib in held))
+        group = optimizer.param_groups[0]
+        embedding.step(group["lr"], group["betas"], group["eps"], group["weight_decay"], skipped)
+
+
+def untier(raw_model, device):
+    """One nn.Embedding in token id order again, as save_pretrained and from_pretrained expect."""
+    embedding = raw_model.get_input_embeddings()
+    if isinstance(embedding, TieredEmbedding):
+        raw_model.set_input_embeddings(embedding.merged().to(device))
+
+
+def step_input_ids(split_data, position, cfg, micro_batches):
+    """Every input id of the global batch at `position`, all ranks', flat: the rows a step updates.
+    This rank's micro-batches are built already; each rank builds the others' ids from the shared
+    plan (no communication, no wait for the GPU)."""
+    plan = global_batch_plan(position, cfg.train.global_batch_size, len(split_data), cfg.train.seed,
+                             cfg.train.micro_batch_size, dist.get_world_size(),
+                             split_data.length if split_data.task == "mlm" else None)
+    others = [make_micro_batch(split_data, ids, epochs, cfg, torch.device("cpu"))["input_ids"]
+              for rank, rank_plan in enumerate(plan) if rank != dist.get_rank()
+              for ids, epochs in rank_plan]
+    others = [ids.flatten() for ids in others]
+    return torch.cat([batch["host_input_ids"].flatten() for batch in micro_batches] + others)
+
+
+class TieredEmbedding(torch.nn.Module):
+    """An input embedding split by token frequency (model.embedding_gpu_rows; README: tiered
+    embedding).
+
+    Hot rows (the most frequent ids) are one GPU parameter, `hot_weight`: DDP reduces its gradient
+    and AdamW updates it, as any weight. Cold rows live in CPU memory with their lazy AdamW state. A
+    step's cold rows, those of every id in its global batch (all ranks'), go to the GPU once:
+    `stage` gathers them while the GPU runs the step before; the step's first forward makes them
+    `rows`, a parameter of this module for that step only (so the global gradient norm counts it),
+    whose gradient the micro-batches' backward passes sum. A hook on it writes the last update into
+    the CPU tables after the first backward, and all-reduces its gradient after the last; `step`
+    applies lazy AdamW on the GPU and copies the rows back on a side stream. Token id i is row
+    slot_of_id[i] of hot_weight if below hot_rows, else row slot_of_id[i] - hot_rows of the CPU
+    tables."""
+
+    def __init__(self, embedding, hot_ids, device):
+        super().__init__()
+        weight = embedding.weight.detach().cpu()
+        self.width, self.padding_idx, self.device = weight.shape[1], embedding.padding_idx, device
+        self.set_tiers(hot_ids, weight.shape[0])
+        self.hot_weight = torch.nn.Parameter(weight[self.hot_ids].clone())
+        self.rows = None  # this step's CPU rows on the GPU: a parameter from forward to step()
+        # Plain attributes, not parameters or buffers: model.to(device) leaves them in CPU memory,
+        # DDP neither reduces nor broadcasts them, and the state dict gets them from
+        # get_extra_state. Not pinned: copies read and write the pinned buffers the rows are
+        # gathered into.
+        self.cold_weight = weight[self.cold_ids].clone()
+        self.cold_exp_avg = torch.zeros_like(self.cold_weight)
+        self.cold_exp_avg_sq = torch.zeros_like(self.cold_weight)
+        self.cold_steps = torch.zeros(len(self.cold_ids), dtype=torch.long)  # a count per row
+        # one side stream, made once: every copy goes on it, in order, beside the compute
+        self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.staged = self.current = self.written = None  # next step's, this step's, last written
+        self.updates = 0  # steps ended in this process
+
+    def set_tiers(self, hot_ids, vocab_rows):
+        is_hot = torch.zeros(vocab_rows, dtype=torch.bool)
+        is_hot[hot_ids] = True
+        self.hot_ids, self.cold_ids = hot_ids, (~is_hot).nonzero().flatten()
+        self.hot_rows = len(hot_ids)
+        self.slot_of_id = torch.empty(vocab_rows, dtype=torch.long)
+        self.slot_of_id[self.hot_ids] = torch.arange(self.hot_rows)
+        self.slot_of_id[self.cold_ids] = torch.arange(self.hot_rows, vocab_rows)
+
+    def cold_tables(self):
+        return [self.cold_weight, self.cold_exp_avg, self.cold_exp_avg_sq, self.cold_steps]
+
+    def stage(self, micro_batches, step_ids):
+        """Start copying the cold rows of a step to the GPU: `micro_batches` are this rank's
+        (their ids in CPU memory), `step_ids` every id of the global batch. Rows the step before
+        also holds are not copied: they come from its update on the GPU, which the CPU tables may
+        not have yet."""
+        self.write_to_tables()  # the last update, whose rows may be gathered below
+        step_slots = self.slot_of_id[step_ids]
+        slots = torch.unique(step_slots[step_slots >= self.hot_rows])  # sorted; alike on every rank
+        table_indices = []  # per micro-batch, each position's row in cat([hot_weight, step's rows])
+        for batch in micro_batches:
+            index = self.slot_of_id[batch["host_input_ids"]]
+            is_cold = index >= self.hot_rows
+            index[is_cold] = self.hot_rows + torch.searchsorted(slots, index[is_cold])
+            table_indices.append(index)
+        previous = self.current.slots if self.current is not None else slots[:0]
+        place = torch.searchsorted(previous, slots).clamp_(max=max(0, len(previous) - 1))
+        carried = (previous[place] == slots if len(previous) else
+                   torch.zeros(len(slots), dtype=torch.bool))
+        fresh_rows, pin = slots[~carried] - self.hot_rows, self.copy_stream is not None
+        fresh = [torch.index_select(table, 0, fresh_rows, out=torch.empty(
+            (len(fresh_rows), *table.shape[1:]), dtype=table.dtype, pin_memory=pin))  # no host wait
+            for table in self.cold_tables()]
+        positions = [(~carried).nonzero().flatten(), carried.nonzero().flatten(), place[carried]]
+        ready = None
+        if self.copy_stream is not None:
+            # A pinned buffer freed while its copy may still run is reused only after it: the
+            # caching host allocator records an event with each copy. start_step marks where they
+            # are read.
+            with torch.cuda.stream(self.copy_stream):
+                table_indices, fresh, positions = (
+                    [tensor.pin_memory().to(self.device, non_blocking=True) for tensor in tensors]
+                    for tensors in (table_indices, fresh, positions))
+                ready = torch.cuda.Event()
+                ready.record()
+        self.staged = SimpleNamespace(slots=slots, table_indices=table_indices, fresh=fresh,
+                                      positions=positions, previous=self.current, ready=ready,
+                                      padding_index=self.padding_index(slots))
+
+    def padding_index(self, cold_slots):
+        """The row of padding_idx in cat([hot_weight, the rows of cold_slots]), or None where it is
+        absent: nn.Embedding(padding_idx=) sends no gradient to that row, and neither does this."""
+        pad_slot = int(self.slot_of_id[self.padding_idx]) if self.padding_idx is not None else None
+        if pad_slot is None or pad_slot < self.hot_rows:
+            return pad_slot
+        found = int(torch.searchsorted(cold_slots, pad_slot))
+        present = found < len(cold_slots) and int(cold_slots[found]) == pad_slot
+        return self.hot_rows + found if present else None
+
+    @torch.no_grad()
+    def start_step(self):
+        """Make the staged rows this step's GPU tensors: the copied ones, and those the step before
+        also held taken from its update. No wait for the host: the compute stream waits for the
+        copy."""
+        staged, self.staged = self.staged, None
+        fresh_at, carried_at, carried_from = staged.positions
+        if staged.ready is not None:
+            compute_stream = torch.cuda.current_stream(self.device)
+            compute_stream.wait_event(staged.ready)
+            # made on the side stream, read here: without record_stream the allocator could hand
+            # this memory to the next copy once freed, while kernels queued here still read it
+            for tensor in [*staged.table_indices, *staged.fresh, *staged.positions]:
+                if tensor.numel():
+                    tensor.record_stream(compute_stream)
+        old = staged.previous
+        carried = [old.rows, old.exp_avg, old.exp_avg_sq, old.steps] if old else []
+        state = []
+        for index, fresh in enumerate(staged.fresh):
+            values = torch.empty((len(staged.slots), *fresh.shape[1:]), dtype=fresh.dtype,
+                                 device=self.device)
+            values[fresh_at] = fresh
+            if len(carried_at):
+                values[carried_at] = carried[index][carried_from]
+            state.append(values)
+        self.rows = torch.nn.Parameter(state[0])  # for the step: the gradient norm counts it
+        self.rows.register_post_accumulate_grad_hook(self.gradient_ready)
+        self.current = SimpleNamespace(slots=staged.slots, rows=self.rows, exp_avg=state[1],
+                                       exp_avg_sq=state[2], steps=state[3], backwards=0,
+                                       table_indices=staged.table_indices,
+                                       micro_batches=len(staged.table_indices),
+                                       padding_index=staged.padding_index)
+
+    def gradient_ready(self, rows):
+        """After each micro-batch's backward has added into rows.grad: after the first, write the
+        last update into the CPU tables (the GPU has that backward to run meanwhile); after the
+        last, sum the gradient over the ranks and divide by their number, as DDP does the hot
+        rows'."""
+        self.current.backwards += 1
+        if self.current.backwards == 1:
+            self.write_to_tables()
+        last = self.current.backwards == self.current.micro_batches
+        if last and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(rows.grad)  # every rank holds the same rows in the same order
+            rows.grad.div_(dist.get_world_size())
+
+    @torch.compiler.disable  # host work (a list, CPU tensors): the compiled graph breaks here
+    def forward(self, input_ids):
+        if torch.is_grad_enabled():  # training: the staged rows of this micro-batch
+            if self.rows is None and self.staged is not None:
+                self.start_step()  # the step's first micro-batch
+            if self.rows is None or not self.current.table_indices:  # its rows would not be updated
+                raise RuntimeError("TieredEmbedding: a training forward pass needs its micro-batch "
+                                   "staged -> stage() its step first, as train_ddp.py does")
+            table_index = self.current.table_indices.pop(0)
+            if table_index.shape != input_ids.shape:
+                raise RuntimeError(f"TieredEmbedding: staged a micro-batch of "
+                                   f"{tuple(table_index.shape)}, got {tuple(input_ids.shape)}")
+            return F.embedding(table_index, torch.cat([self.hot_weight, self.rows]),
+                               padding_idx=self.current.padding_index)
+        # validation and generate(): this batch's rows from the CPU tables, once they have the last
+        # update; one wait for the GPU per call
+        self.write_to_tables()
+        slots = self.slot_of_id[input_ids.cpu()]
+        is_cold = slots >= self.hot_rows
+        cold_slots, position = torch.unique(slots[is_cold], return_inverse=True)
+        slots[is_cold] = self.hot_rows + position
+        rows = self.cold_weight[cold_slots - self.hot_rows].to(self.device)
+        return F.embedding(slots.to(self.device), torch.cat([self.hot_weight, rows]),
+                           padding_idx=self.padding_index(cold_slots))
+
+    @torch.no_grad()
+    def step(self, lr, betas, eps, weight_decay, skipped):
+        """Lazy AdamW on the GPU: torch.optim.AdamW's formula (decoupled weight decay, both moments,
+        bias correction) on this step's CPU rows, each with its own step count. A row used at every
+        step is updated as dense AdamW would; an unused one keeps its weight and moments, where
+        dense AdamW would decay them at every step (touching every row). Then the rows go back to
+        the host on the side stream, for write_to_tables. A skipped step changes nothing."""
+        state, self.rows = self.current, None  # the parameter ends with the step
+        if skipped:
+            return
+        weight = state.rows
+        grad = weight.grad if weight.grad is not None else torch.zeros_like(weight)
+        state.steps += 1
+        weight.mul_(1 - lr * weight_decay)
+        state.exp_avg.lerp_(grad, 1 - betas[0])
+        state.exp_avg_sq.mul_(betas[1]).addcmul_(grad, grad, value=1 - betas[1])
+        step_size = (lr / (1 - betas[0] ** state.steps.double())).float()[:, None]
+        bias_correction2_sqrt = (1 - betas[1] ** state.steps.double()).sqrt().float()[:, None]
+        denominator = state.exp_avg_sq.sqrt().div_(bias_correction2_sqrt).add_(eps)
+        weight.sub_(torch.div(state.exp_avg, denominator).mul_(step_size))  # -step_size * m / denom
+        updated, done = [weight.detach(), state.exp_avg, state.exp_avg_sq, state.steps], None
+        if self.copy_stream is not None:
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))  # after the update
+            with torch.cuda.stream(self.copy_stream):
+                host = [torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+                        for tensor in updated]
+                for target, tensor in zip(host, updated):
+                    target.copy_(tensor, non_blocking=True)
+                    tensor.record_stream(self.copy_stream)  # may be freed before this copy ends
+                done = torch.cuda.Event()
+                done.record()
+            updated = host
+        # on a CPU the tensors themselves: start_step makes new ones, nothing writes these before
+        self.written = SimpleNamespace(rows=state.slots - self.hot_rows, values=updated, done=done)
+
+    def write_to_tables(self):
+        """Put the rows the last step() updated into the CPU tables, once their copy is done."""
+        written, self.written = self.written, None
+        if written is not None:
+            if written.done is not None:
+                written.done.synchronize()
+            for table, values in zip(self.cold_tables(), written.values):
+                table.index_copy_(0, written.rows, values)
+
+    def held_mib(self, optimizer):
+        """MiB per device type this module holds: its GPU rows with gradient and AdamW state, the
+        CPU tables, this step's CPU rows on the GPU with gradient and moments, and the next
+        step's."""
+        tensors = [self.hot_weight, self.hot_weight.grad, *self.cold_tables(),
+                   *optimizer.state.get(self.hot_weight, {}).values()]
+        if self.current is not None:
+            tensors += [self.current.rows, self.current.rows.grad, self.current.exp_avg,
+                        self.current.exp_avg_sq, self.current.steps]
+        held = {}
+        for tensor in tensors + (self.staged.fresh if self.staged is not None else []):
+            if torch.is_tensor(tensor) and tensor.dim() > 0:
+                held[tensor.device.type] = held.get(tensor.device.type, 0) + tensor.numel() * \
+                    tensor.element_size() / 2**20
+        return held
+
+    def get_extra_state(self):
+        """The cold rows, their lazy AdamW state and the tier map go into the state dict
+        (model.pt)."""
+        self.write_to_tables()
+        return {"hot_ids": self.hot_ids, "cold_weight": self.cold_weight,
+                "cold_exp_avg": self.cold_exp_avg, "cold_exp_avg_sq": self.cold_exp_avg_sq,
+                "cold_steps": self.cold_steps}
+
+    def set_extra_state(self, state):
+        if state["cold_weight"].shape != self.cold_weight.shape:
+            raise ValueError(f"its CPU embedding rows are {tuple(state['cold_weight'].shape)}, "
+                             f"this model's {tuple(self.cold_weight.shape)}")
+        # the checkpoint's tier map, not today's frequency file's: hot_weight holds these ids' rows
+        self.set_tiers(state["hot_ids"], len(self.slot_of_id))
+        self.cold_weight, self.cold_exp_avg = state["cold_weight"], state["cold_exp_avg"]
+        self.cold_exp_avg_sq, self.cold_steps = state["cold_exp_avg_sq"], state["cold_steps"]
+        self.staged = self.current = self.written = self.rows = None  # rows of the old tables
+
+    def merged(self):
+        """One nn.Embedding in token id order, as transformers' save_pretrained expects."""
+        self.write_to_tables()
+        weight = torch.empty((len(self.slot_of_id), self.width))
+        weight[self.hot_ids] = self.hot_weight.detach().cpu()
+        weight[self.cold_ids] = self.cold_weight
+        return torch.nn.Embedding.from_pretrained(weight, freeze=False,
+                                                  padding_idx=self.padding_idx)
+# ============================================================================== tiered: end
+
+
+# ============================================================================== faults: begin
+# Fault injection for the tests, off unless FAULT=kind:rank:step[,...] is set (kill, kill-in-save,
+# hang, nan, slow), on a job's first attempt only, so a restarted job runs clean. Delete this block
+# and the lines tagged # FAULT: nothing else changes.
+
+def fault(kind, step):
+    specs = os.environ.get("FAULT")
+    if not specs or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return False
+    try:
+        here = (kind, int(os.environ.get("RANK", "0")), step)
+        wanted = [spec.split(":") for spec in specs.split(",")]
+        return any((kind_, int(rank_), int(step_)) == here for kind_, rank_, step_ in wanted)
+    except ValueError:
+        die(f"FAULT={specs} is not kind:rank:step[,...] -> e.g. FAULT=kill:1:7 (kinds: kill, "
+            "kill-in-save, hang, nan, slow)")
+
+
+def fault_point(step):
+    """kill: SIGKILL this rank; hang: sleep for ever; slow: take 2 s more to build the batches."""
+    if fault("kill", step):
+        os.kill(os.getpid(), signal.SIGKILL)
+    if fault("hang", step):
+        time.sleep(10**6)
+    if fault("slow", step):
+        time.sleep(2)
+
+
+def nan_fault(loss, step):
+    return loss * float("nan") if fault("nan", step) else loss
+
+
+def save_fault(step):
+    if fault("kill-in-save", step):
+        os.kill(os.getpid(), signal.SIGKILL)
+# ============================================================================== faults: end
 
 
 if __name__ == "__main__":
     try:
         try:
             main()
-            # Not at the end of main(): seen once (gdb on a rank hung at exit, gloo), DDP's reducer, freed with
-            # main()'s objects after the group had been destroyed, ran the group's destructor itself, holding
-            # Python's GIL while it waited for a gloo thread that was waiting for the GIL. Freed first (gc for
-            # reference cycles), while the group is still registered, the reducer no longer holds its last reference.
+            # Not at the end of main(): DDP's reducer, freed with main()'s objects after the group
+            # is gone, would run the group's destructor itself and can deadlock there with gloo.
             gc.collect()
             if dist.is_initialized():  # not with --check
                 dist.destroy_process_group()
         finally:
-            # leaving: torchrun's SIGTERM must end this process at once again (seen: a rank whose group
-            # teardown waited for a rank already gone kept running in our stop-at-step-end handler until
-            # torchrun's SIGKILL 30 s later)
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # leaving: a SIGTERM ends us at once
+
     except UserError as error:
-        if int(os.environ.get("RANK", "0")) == 0:  # every rank raised the same error; rank 0 says it once
+        if int(os.environ.get("RANK", "0")) == 0:  # every rank has the same error: rank 0 says it
+
             print(f"error: {error}", file=sys.stderr, flush=True)
         if dist.is_initialized():
             dist.destroy_process_group()
         sys.exit(2)
     except (dist.DistError, RuntimeError) as error:
-        # gloo reports a timeout or a lost peer as a plain RuntimeError; anything else is a bug: traceback
-        if not dist.is_initialized() or not any(word in str(error) for word in ("gloo", "NCCL", "Timed out", "Connection")):
+        # gloo reports a timeout or a lost peer as a plain RuntimeError; anything else is a bug
+        if not dist.is_initialized() or not any(word in str(error) for word in
+                                                ("gloo", "NCCL", "Timed out", "Connection")):
             raise
         report_lost_ranks(error)
         sys.exit(1)

@@ -239,10 +239,10 @@ TINY_STEPS = {"steps": 12, "skip_steps": 4, "log_every": 2, "timeout_s": 240}
 # Variants of train_ddp.py: each is the trainer with one change, made by replacing text (so each
 # stays a single readable file); a replacement that no longer matches stops that side with an error.
 VARIANTS = {
-    "ddp_at_world_size_1": [("if world_size > 1 and cfg.dist.reducer == \"torch\":",
-                             "if cfg.dist.reducer == \"torch\":")],  # the DDP wrapper on 1 process
-    "no_comm": [("with ddp_model.no_sync() if ddp_model and not is_last else",
-                 "with ddp_model.no_sync() if ddp_model else")],  # never all-reduces: a clock
+    "ddp_at_world_size_1": [("    if dist.get_world_size() == 1:\n        return torch.compile",
+                             "    if False:\n        return torch.compile")],  # DDP on 1 process
+    "no_comm": [("contextlib.nullcontext() if last else ddp.no_sync()",
+                 "ddp.no_sync()")],  # never all-reduces: a clock, not training
     "plain_loss": [
         ("    loss_of = torch.compile(token_loss_sum) if use_compile else token_loss_sum",
          "    loss_of = token_loss_sum")],
