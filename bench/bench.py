@@ -739,8 +739,10 @@ def run_ours(stage_name, stage, shape, batch, tiny, port, log, side="ours"):
     vocab = re.search(r"vocab (\d+) padded to (\d+)", output)
     attention = re.search(r"attention (\S+),", output)
     record["vocab"] = int(vocab.group(1)) if vocab else None
-    # the trainer's count of what the input embedding holds (weights, gradients, optimizer state)
-    held = re.search(r"input embedding \(weights, gradients, optimizer state\): (.*)", output)
+    # the trainer's count of what the input embedding holds per device; a tiered one's own count
+    # adds its CPU tables and the step's CPU rows on the GPU
+    held = (re.search(r"input embedding tiered, held at its second step \([^)]*\): (.*)", output)
+            or re.search(r"input embedding \(weights, gradients, optimizer state\): (.*)", output))
     if held:
         record["embedding_mib"] = {kind: float(mib.replace(",", "")) for mib, kind in
                                    re.findall(r"([\d,.]+) MiB on (\w+)", held.group(1))}
