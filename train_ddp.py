@@ -227,9 +227,8 @@ def train_step(model, batches, optimizer, scheduler, scaler, run):
 
 
 def step_verdict(grad_norm, run):
-    """Is the gradient non-finite on some rank, and was some rank asked to stop? One all-reduce of
-    two numbers: a NaN on one rank reaches all through the gradients, a signal may reach one rank
-    only."""
+    """Is the gradient non-finite on some rank, and was some rank asked to stop? One all-reduce:
+    a NaN on one rank reaches all through the gradients, a signal may reach one rank only."""
     verdict = torch.full((2,), float(bool(run.stop_requested)), device=run.device)  # no host copy
     verdict[0] = grad_norm.isfinite().logical_not()
     with run.timers.sync_wait:  # how long this rank waits here for the slowest: step_time_skew
@@ -250,9 +249,8 @@ def step_verdict(grad_norm, run):
 
 def wrap_model(raw_model, cfg, device, use_compile, timers):
     """The model each step calls, and how gradients reach every rank (`parallel.sync`, `.finish`):
-    DDP's C++ reducer (dist.reducer=torch), InlineReducer (what DDP does) or NaiveReducer
-    (plainest). One process needs none: nothing to average, and DDP would split the compiled graph
-    for nothing."""
+    DDP's C++ reducer (dist.reducer=torch), InlineReducer (what DDP does) or NaiveReducer. One
+    process needs none: nothing to average, and DDP would split the compiled graph for nothing."""
     nothing = SimpleNamespace(sync=lambda last: contextlib.nullcontext(), finish=lambda: None)
     if dist.get_world_size() == 1:
         return torch.compile(raw_model) if use_compile else raw_model, nothing
@@ -272,8 +270,7 @@ def wrap_model(raw_model, cfg, device, use_compile, timers):
         # Under torch.compile, Dynamo splits the graph at DDP's buckets (DDPOptimizer), so a
         # bucket's all-reduce starts while backward still computes the layers before it.
         model = torch.compile(ddp) if use_compile else ddp
-        # no_sync: accumulate locally; DDP's reducer averages in the last backward, overlapped with
-        # it
+        # no_sync: accumulate locally; DDP averages in the last backward, overlapped with it
         return model, SimpleNamespace(finish=lambda: None, sync=lambda last: (
             contextlib.nullcontext() if last else ddp.no_sync()))
     inline, timers.comm_wait = cfg.dist.reducer == "inline", SpanTimer(device)
@@ -289,8 +286,7 @@ def wrap_model(raw_model, cfg, device, use_compile, timers):
 class NaiveReducer:
     """Data parallelism at its plainest (dist.reducer=naive): after the step's last backward, start
     an all-reduce of every gradient, wait for all, divide. Right, but nothing overlaps backward:
-    compare InlineReducer, which starts each bucket of gradients as soon as backward has produced
-    it."""
+    InlineReducer starts each bucket of gradients as soon as backward has produced it."""
 
     def __init__(self, model, timers):
         self.params, self.timers = [p for p in model.parameters() if p.requires_grad], timers
@@ -386,9 +382,8 @@ class InlineReducer:
 
 def bf16_allreduce_hook(allreduce_spans, bucket):
     """DDP's communication hook for dist.grad_compression=bf16: a bucket travels as bf16 and is
-    divided by the world size in fp32, as in InlineReducer. Not torch's bf16_compress_hook: it
-    divides in bf16, and DDP accepts a hook of that name only from a torch built with CUDA and
-    NCCL."""
+    divided by the world size in fp32, as in InlineReducer. Not torch's bf16_compress_hook: that
+    divides in bf16, and DDP takes a hook of its name only from a torch built with CUDA and NCCL."""
     buffer = bucket.buffer()
     work = timed_all_reduce(buffer.to(torch.bfloat16), allreduce_spans)
     return work.get_future().then(
@@ -406,8 +401,7 @@ def timed_all_reduce(flat, allreduce_spans):
 
 
 def time_stamp():
-    """Now: on a GPU an event on the current stream, read at the log line; on a CPU the host
-    clock."""
+    """Now: on a GPU an event on the current stream, read at the log line; else the host clock."""
     if not torch.cuda.is_available():
         return time.perf_counter()
     event = torch.cuda.Event(enable_timing=True)
@@ -451,8 +445,7 @@ def train_state(run, scheduler, scaler):
 
 def write_checkpoint(ckpt_dir, step, keep, raw_model, optimizer, state):
     """Write into a temporary directory, then rename: a crash mid-write never leaves a checkpoint
-    that resume=auto would pick. The `latest` pointer moves only after the rename; old ones go
-    last."""
+    that resume=auto would pick. `latest` moves only after the rename; old ones go last."""
     final = step_dir(ckpt_dir, step)
     temporary = ckpt_dir / f".tmp-{final.name}-{os.getpid()}"
     try:
@@ -727,8 +720,7 @@ RANGES = {
 
 
 def in_range(value, low, high):
-    """Whether value lies in (low, high): a number includes the bound, "above 0" and "below 1"
-    not."""
+    """Whether value lies within (low, high): a number bound includes itself, a word bound not."""
     return ((low is None or (value > 0 if low == "above 0" else value >= low))
             and (high is None or (value < 1 if high == "below 1" else value <= high)))
 
@@ -747,8 +739,7 @@ ConfigLoader.add_implicit_resolver(
 
 def load_config(args, use_cuda):
     """DEFAULTS, then config.yaml beside this file (or the .yaml given first), then without a GPU
-    the CPU preset, then the command line's key=value; each value must have the type of its
-    default."""
+    the CPU preset, then key=value arguments; each value must have the type of its default."""
     flat, preset = flatten(DEFAULTS), dict(CPU_PRESET)
     config_path = Path(__file__).with_name("config.yaml")
     if args and args[0].endswith((".yaml", ".yml")):
@@ -796,8 +787,7 @@ def read_yaml(path):
 
 
 def typed(flat, key, value, where):
-    """`value` with the type of key's default: a typo such as lr=3e-4x fails now, not at step
-    1000."""
+    """`value` with the type of key's default: a typo like lr=3e-4x fails now, not at step 1000."""
     if key not in flat:
         nearest = difflib.get_close_matches(key, flat, n=1, cutoff=0.0)[0]
         die(f"unknown config key '{key}'{where} -> did you mean '{nearest}'?")
@@ -821,15 +811,13 @@ def flatten(tree, prefix=""):
 
 
 def config_dict(cfg):
-    """The config as flat `section.key: value` pairs: what a checkpoint stores and --check
-    prints."""
+    """The config as flat `section.key: value` pairs, as a checkpoint stores them."""
     return flatten({key: vars(value) if isinstance(value, SimpleNamespace) else value
                     for key, value in vars(cfg).items()})
 
 
 def check_config(cfg, world_size):
-    """Every number in its range and a global batch that splits evenly; returns micro-batches per
-    step."""
+    """Every number in range, a global batch that splits evenly: the micro-batches of a step."""
     values, defaults = config_dict(cfg), flatten(DEFAULTS)
     for key, (low, high) in RANGES.items():
         if not in_range(values[key], low, high):
@@ -892,9 +880,9 @@ def choose_precision(requested, device):
         die("train.precision=fp16 needs a CUDA GPU (GradScaler) -> use fp32 or bf16 on a CPU")
     if requested != "auto":
         return requested
-    # Not torch.cuda.is_bf16_supported(): it says True on V100 and T4, which emulate bf16, so fp16
-    # and its GradScaler would never run where they are needed. bf16 tensor cores start with Ampere
-    # (8.0).
+    # Not torch.cuda.is_bf16_supported(): True on V100 and T4, which emulate bf16, so fp16 and its
+    # GradScaler would never run where they are needed. bf16 tensor cores start with Ampere (8.0).
+
     if device.type != "cuda":
         return "fp32"
     return "bf16" if torch.cuda.get_device_capability(device) >= (8, 0) else "fp16"
@@ -1063,8 +1051,7 @@ _permutation_cache = {}
 
 
 def epoch_permutation(seed, epoch, num_samples):
-    """The sample order of one epoch: a function of (seed, epoch) only, never of rank or world
-    size."""
+    """The sample order of one epoch: a function of (seed, epoch) alone, not of rank or world."""
     key = (seed, epoch, num_samples)
     if key not in _permutation_cache:
         _permutation_cache.clear()  # keep one epoch; a batch across two recomputes the previous
@@ -1183,8 +1170,7 @@ def dynamic_length(tensor):
 
 
 def padded_length(longest, pad_to_multiple, seq_len):
-    """The longest sample rounded up to a multiple of pad_to_multiple, at most seq_len; 0:
-    seq_len."""
+    """The longest sample rounded up to a multiple of pad_to_multiple (at most seq_len; 0: it)."""
     if pad_to_multiple == 0:
         return seq_len
     return min(-(-longest // pad_to_multiple) * pad_to_multiple, seq_len)
@@ -1215,8 +1201,7 @@ def mlm_uniforms(seed, epochs, sample_ids, positions, use):
     """A float in [0, 1) per (epoch, sample, position), broadcast against each other, for one use
     (0: masked?, 1: replaced by what, 2: which random token): a hash of (seed, epoch, sample,
     position, use) alone, so the masking does not depend on which rank or micro-batch holds a
-    sample, and a micro-batch is drawn in a few vectorised operations. splitmix64's mixing after
-    each part."""
+    sample, and a micro-batch is drawn in a few vectorised operations (splitmix64's mixing)."""
     shape = np.broadcast_shapes(np.shape(epochs), np.shape(sample_ids), np.shape(positions))
     mixed = np.full(shape, seed, dtype=np.uint64)
     for part in (epochs, sample_ids, np.asarray(positions) * 4 + use):
@@ -1283,11 +1268,11 @@ def model_config(cfg, padded_vocab, special):
 
 
 def build_model(cfg, task, padded_vocab, special, device):
-    """A new model from a transformers config, or a local pretrained one, in fp32 (master
-    weights)."""
-    attention = choose_attention(cfg.model.attention, device, task)
+    """A new model from a transformers config, or a local pretrained one; fp32 master weights."""
     config = model_config(cfg, padded_vocab, special)
     model_class = AutoModelForMaskedLM if task == "mlm" else AutoModelForCausalLM
+    attention = choose_attention(cfg.model.attention, device, task,
+                                 model_class._model_mapping.get(type(config), None))
     if not cfg.model.pretrained:
         model = model_class.from_config(config, attn_implementation=attention, dtype=torch.float32)
         return model, attention
@@ -1309,13 +1294,18 @@ def build_model(cfg, task, padded_vocab, special, device):
     return model, attention
 
 
-def choose_attention(requested, device, task):
+def choose_attention(requested, device, task, architecture=None):
     """auto: FlashAttention-2 where flash_attn imports on a GPU of compute capability 8.0 or newer
-    (older GPUs fail at the first forward); else our sdpa_causal for causal LMs, else sdpa."""
+    (older GPUs fail at the first forward); else our sdpa_causal for causal LMs, else sdpa; eager
+    for the model classes transformers runs without SDPA (architecture: e.g. DeBERTa-v2's)."""
+    supports = {kind: getattr(architecture, f"_supports_{kind}", True)
+                for kind in ("sdpa", "flash_attn")}
     usable = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0) and \
-        flash_attn_available()
+        flash_attn_available() and supports["flash_attn"]
     if requested == "auto" and usable:
         return "flash_attention_2"
+    if requested == "auto" and not supports["sdpa"]:
+        return "eager"
     if requested == "auto" and task == "causal":
         # transformers' "sdpa" builds an explicit causal mask under torch.compile with torch 2.12
         # and older, and SDPA runs no flash kernel with an explicit mask. Our causal batches are
@@ -1350,8 +1340,7 @@ def repeated_blocks(model):
 
 
 def model_flops_counter(raw_model, task, attention, cfg):
-    """A function from the sample lengths of each micro-batch to their model FLOPs (what MFU
-    counts)."""
+    """A function from the sample lengths of each micro-batch to their model FLOPs, for MFU."""
     matmul_params = count_matmul_params(raw_model)
     layers, width = raw_model.config.num_hidden_layers, raw_model.config.hidden_size
     # FlashAttention-2 drops a masked batch's padding before attention; SDPA and eager compute every
@@ -1369,8 +1358,7 @@ def model_flops(micro_batch_lengths, matmul_params, layers, width, causal, atten
     position computed, padding too. Attention (Q K^T and the weighted sum of V): 2 x 2 x width per
     query-key pair and layer forward, x3 with backward; a causal query sees the keys up to itself
     (half the pairs), a masked-LM one every padded position, or only its sample's with
-    attention_unpads. Not counted: norms, activations, softmax, embedding lookups, the loss,
-    recomputation."""
+    attention_unpads. Not counted: norms, activations, softmax, lookups, the loss, recomputation."""
     total = 0
     for lengths in micro_batch_lengths:
         padded = seq_len
@@ -1399,8 +1387,7 @@ def count_matmul_params(model):
 # ----------------------------------------------------------------------------- 5. optimizer
 
 def make_optimizer(raw_model, cfg):
-    """AdamW, with weight decay on matrices and embeddings only, never on biases and norm
-    weights."""
+    """AdamW, with weight decay on matrices and embeddings, never on biases and norm weights."""
     trained = [p for p in raw_model.parameters() if p.requires_grad]
     return torch.optim.AdamW(
         [{"params": [p for p in trained if p.dim() >= 2], "weight_decay": cfg.optim.weight_decay},
@@ -1444,9 +1431,8 @@ def memory_prediction(raw_model, device):
 
 
 def report_memory(run, optimizer, predicted):
-    """After an update: the prediction, the same three summed from the tensors that exist (its
-    check), on a GPU the allocator's allocated, peak and reserved bytes, and what the input
-    embedding holds."""
+    """After an update: the prediction, the same summed from the tensors that exist (its check),
+    on a GPU the allocator's allocated, peak and reserved bytes, and the input embedding's share."""
     def held(parameters):  # by device type; AdamW's "step", a 0-d tensor, is no part of it
         sizes = {}
         for tensor in (t for t in state_tensors(parameters, optimizer) if t.dim() > 0):
@@ -1555,9 +1541,8 @@ def log_interval(interval, run, result):
 
 
 def comm_figures(timers, steps):
-    """The interval's p50 and p95 bucket all-reduce, in ms from its start to its end, and the wait
-    for them per step that backward did not hide (our reducers'; DDP's run inside its C++ reducer:
-    null)."""
+    """The interval's p50 and p95 bucket all-reduce (ms from start to end), and the wait for them
+    per step that backward did not hide: our reducers' (DDP's run inside its C++ reducer: null)."""
     spans, count = timers.allreduce_spans, len(timers.allreduce_spans)  # a late callback's stays
     latency_ms = [1000 * (end - start) if isinstance(start, float) else
                   end.synchronize() or start.elapsed_time(end) for start, end in spans[:count]]
@@ -1620,8 +1605,7 @@ def validate(model, val_data, run):
 def catch_stop_signals():
     """SIGTERM (a scheduler's preemption; torchrun passes it on to every worker and kills them 30 s
     later by default) and SIGINT (Ctrl-C) ask for a clean stop: the list returned gets the signal's
-    name, and every rank stops after the same step, with a checkpoint. A second signal stops at
-    once."""
+    name, and every rank stops after the same step, with a checkpoint. A second stops at once."""
     requested = []
 
     def on_signal(number, frame):
@@ -1668,8 +1652,7 @@ class SpanTimer:
     summed over a log interval without making the host wait for the GPU: `with timer:` around it. On
     a GPU the host runs ahead, and what counts is what the GPU does meanwhile: two CUDA events on
     its stream time the span as the GPU lives it (idle time included), read after the log line's
-    wait for the GPU. On a CPU each operation ends before the next starts: the host's clock tells
-    it."""
+    wait for the GPU. On a CPU each operation ends before the next starts: the host's clock does."""
 
     def __init__(self, device):
         self.on_gpu, self.host_s, self.recorded, self.spare = device.type == "cuda", 0.0, [], []
@@ -1723,8 +1706,7 @@ def peak_flops_per_gpu(device, peak_tflops):
 
 
 def export_final(raw_model, data_dir, meta, final_dir, task, cfg, device):
-    """save_pretrained and the tokenizer: loadable with
-    AutoModelFor...from_pretrained(final_dir)."""
+    """save_pretrained and the tokenizer: AutoModelFor...from_pretrained(final_dir) loads them."""
     transformers_logging.disable_progress_bar()  # a bar per one-file save is noise in a log
     core = Tokenizer.from_file(str(data_dir / meta["tokenizer_file"]))
     names = {key: core.id_to_token(token_id) for key, token_id in meta["special_tokens"].items()}
@@ -1804,9 +1786,8 @@ def start_exporters(cfg, step, device):
 
 
 def start_prometheus(port):
-    """prometheus_client's HTTP server for this process's gauges, in a thread of its own; None
-    without the package. Its own registry: a second run in one process would register its gauges
-    twice."""
+    """prometheus_client's HTTP server for this process's gauges, in a thread; None without the
+    package. Its own registry: a second run in one process would register its gauges twice."""
     try:
         import prometheus_client
     except ImportError:
@@ -1885,8 +1866,7 @@ def stop_exporters(exporters):
 
 def tier_embedding(raw_model, data_dir, meta, cfg, precision, device):
     """Put a TieredEmbedding in place of the model's input embedding (before it goes to the GPU,
-    so the whole table never does), its GPU rows those of the most frequent tokens of the train
-    split."""
+    so the whole table never does), its GPU rows the train split's most frequent tokens'."""
     if not cfg.model.embedding_gpu_rows:
         return
     embedding, output, rows = raw_model.get_input_embeddings(), raw_model.get_output_embeddings(), \
@@ -1993,8 +1973,8 @@ class TieredEmbedding(torch.nn.Module):
     whose gradient the micro-batches' backward passes sum. A hook on it writes the last update into
     the CPU tables after the first backward, and all-reduces its gradient after the last; `step`
     applies lazy AdamW on the GPU and copies the rows back on a side stream. Token id i is row
-    slot_of_id[i] of hot_weight if below hot_rows, else row slot_of_id[i] - hot_rows of the CPU
-    tables."""
+    slot_of_id[i] of hot_weight if below hot_rows, else row slot_of_id[i] - hot_rows of the tables.
+    """
 
     def __init__(self, embedding, hot_ids, device):
         super().__init__()
@@ -2005,8 +1985,7 @@ class TieredEmbedding(torch.nn.Module):
         self.rows = None  # this step's CPU rows on the GPU: a parameter from forward to step()
         # Plain attributes, not parameters or buffers: model.to(device) leaves them in CPU memory,
         # DDP neither reduces nor broadcasts them, and the state dict gets them from
-        # get_extra_state. Not pinned: copies read and write the pinned buffers the rows are
-        # gathered into.
+        # get_extra_state. Not pinned: copies go through the pinned buffers rows are gathered into.
         self.cold_weight = weight[self.cold_ids].clone()
         self.cold_exp_avg = torch.zeros_like(self.cold_weight)
         self.cold_exp_avg_sq = torch.zeros_like(self.cold_weight)
@@ -2054,8 +2033,7 @@ class TieredEmbedding(torch.nn.Module):
         ready = None
         if self.copy_stream is not None:
             # A pinned buffer freed while its copy may still run is reused only after it: the
-            # caching host allocator records an event with each copy. start_step marks where they
-            # are read.
+            # caching host allocator records an event with each copy.
             with torch.cuda.stream(self.copy_stream):
                 table_indices, fresh, positions = (
                     [tensor.pin_memory().to(self.device, non_blocking=True) for tensor in tensors]
@@ -2079,8 +2057,7 @@ class TieredEmbedding(torch.nn.Module):
     @torch.no_grad()
     def start_step(self):
         """Make the staged rows this step's GPU tensors: the copied ones, and those the step before
-        also held taken from its update. No wait for the host: the compute stream waits for the
-        copy."""
+        also held taken from its update. The compute stream waits for the copy, not the host."""
         staged, self.staged = self.staged, None
         fresh_at, carried_at, carried_from = staged.positions
         if staged.ready is not None:
@@ -2112,8 +2089,7 @@ class TieredEmbedding(torch.nn.Module):
     def gradient_ready(self, rows):
         """After each micro-batch's backward has added into rows.grad: after the first, write the
         last update into the CPU tables (the GPU has that backward to run meanwhile); after the
-        last, sum the gradient over the ranks and divide by their number, as DDP does the hot
-        rows'."""
+        last, average the gradient over the ranks, as DDP does the hot rows'."""
         self.current.backwards += 1
         if self.current.backwards == 1:
             self.write_to_tables()
@@ -2193,8 +2169,7 @@ class TieredEmbedding(torch.nn.Module):
 
     def held_mib(self, optimizer):
         """MiB per device type this module holds: its GPU rows with gradient and AdamW state, the
-        CPU tables, this step's CPU rows on the GPU with gradient and moments, and the next
-        step's."""
+        CPU tables, the step's CPU rows on the GPU with gradient and moments, and the next's."""
         tensors = [self.hot_weight, self.hot_weight.grad, *self.cold_tables(),
                    *optimizer.state.get(self.hot_weight, {}).values()]
         if self.current is not None:
@@ -2208,8 +2183,8 @@ class TieredEmbedding(torch.nn.Module):
         return held
 
     def get_extra_state(self):
-        """The cold rows, their lazy AdamW state and the tier map go into the state dict
-        (model.pt)."""
+        """The cold rows, their lazy AdamW state and the tier map: in the state dict (model.pt)."""
+
         self.write_to_tables()
         return {"hot_ids": self.hot_ids, "cold_weight": self.cold_weight,
                 "cold_exp_avg": self.cold_exp_avg, "cold_exp_avg_sq": self.cold_exp_avg_sq,
