@@ -1962,8 +1962,8 @@ def step_input_ids(split_data, position, cfg, micro_batches):
 
 
 class TieredEmbedding(torch.nn.Module):
-    """An input embedding split by token frequency (model.embedding_gpu_rows; README: tiered
-    embedding).
+    """An input embedding split by token frequency (model.embedding_gpu_rows;
+    docs/tiered-embedding.md).
 
     Hot rows (the most frequent ids) are one GPU parameter, `hot_weight`: DDP reduces its gradient
     and AdamW updates it, as any weight. Cold rows live in CPU memory with their lazy AdamW state. A

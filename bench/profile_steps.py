@@ -25,8 +25,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-ANCHOR = ("        micro_batches, step_input_tokens, step_label_tokens, step_lengths"
-          " = next_batches\n")
+ANCHOR = "        result = train_step(model, batches, optimizer, scheduler, scaler, run)\n"
 
 
 class Window:
@@ -98,7 +97,7 @@ def labelled(label, method):
 def label_methods(namespace):
     """Give the tiered embedding's host work a name in the profile (a record_function per call)."""
     tiered_class = namespace.get("TieredEmbedding")
-    for name in ("stage", "start_step", "reduce_gradients", "step", "write_to_tables"):
+    for name in ("stage", "start_step", "gradient_ready", "step", "write_to_tables"):
         if hasattr(tiered_class, name):
             method = getattr(tiered_class, name)
             setattr(tiered_class, name, labelled(f"TieredEmbedding.{name}", method))
@@ -110,7 +109,7 @@ def main():
     text = (REPO / script).read_text()
     if ANCHOR not in text:
         sys.exit(f"error: {script} no longer has the line this script hooks into -> update ANCHOR")
-    hook = ("        __import__('profile_steps').Window.shared.at(step, rank)\n")
+    hook = ("        __import__('profile_steps').Window.shared.at(run.step, rank)\n")
     text = text.replace(ANCHOR, ANCHOR + hook)
     text = text.replace('\nif __name__ == "__main__":\n',
                         '\n__import__("profile_steps").label_methods(globals())\n\n'
