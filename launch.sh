@@ -23,10 +23,13 @@
 #
 # Stopping: SIGTERM or SIGINT to this script is passed to torchrun as one SIGTERM; torchrun sends
 # SIGTERM to every worker and SIGKILLs those still running 30 s later (torch 2.13 reads
-# TORCH_ELASTIC_SHUTDOWN_TIMEOUT instead; older versions may not); this script exits 143 (130 after
-# SIGINT) once torchrun is gone. torchrun does not restart workers after a signal, whatever
-# MAX_RESTARTS says. (Not SIGINT when this script starts with SIGINT ignored, as background jobs of
-# another script do: bash cannot trap a signal ignored on entry. SIGTERM works there too.)
+# TORCH_ELASTIC_SHUTDOWN_TIMEOUT instead; older versions may not). The trainer then finishes its
+# step, writes a checkpoint and exits 3, and so does this script, with the trainer's line. torchrun
+# does not restart workers after a signal it got; workers that got one alone end every restart at
+# once. A second Ctrl-C at a terminal kills torchrun and its workers at once, without a checkpoint.
+# Exit codes: 0 done, 3 stopped (a checkpoint written: run the same command to go on), else failed.
+# (Not SIGINT when this script starts with SIGINT ignored, as background jobs of another script do:
+# bash cannot trap a signal ignored on entry. SIGTERM works there too.)
 # Slurm: `#SBATCH --signal=TERM@120` asks Slurm to send SIGTERM to the job's steps (this script,
 # torchrun and the workers) about 120 s before the time limit (see sbatch(1)). A trainer that
 # checkpoints on SIGTERM needs that lead to cover one checkpoint, and gets at most the 30 s above
@@ -346,33 +349,60 @@ if [ "$NODE_RANK" = 0 ]; then check_master_port_free; fi
 check_log_dir
 
 # ---------------------------------------------------------------- launch, watch, report
-STOPPED_BY=""
+STOPPED_BY="" STOPPED_AT_ONCE="" TORCHRUN_PID="" STARTING=""
 # shellcheck disable=SC2317  # called by the traps below, which shellcheck 0.9 does not follow
-stop_torchrun() {  # trap for SIGTERM and SIGINT
+stop_torchrun() {  # trap for SIGTERM and SIGINT, set before torchrun starts
+  if [ -z "$TORCHRUN_PID" ] && [ -z "$STARTING" ]; then
+    echo "stopped by SIG$1 before torchrun started: nothing was launched" >&2
+    [ "$1" = INT ] && exit 130
+    exit 143
+  fi
+  if [ -n "$STOPPED_BY" ]; then  # a second Ctrl-C at a terminal: at once, without a checkpoint
+    if [ "$1" = INT ] && [ -t 0 ] && [ -n "$TORCHRUN_PID" ]; then
+      STOPPED_AT_ONCE=1
+      pkill -KILL -P "$TORCHRUN_PID" 2>/dev/null || true
+      kill -KILL "$TORCHRUN_PID" 2>/dev/null || true
+    fi
+    return
+  fi
   # Once: torchrun may get the signal directly too (Ctrl-C reaches the whole process group), and a
   # third SIGTERM makes it exit at once, leaving its workers running.
   # SIGTERM also for SIGINT: torchrun, a background job, ignores SIGINT until its workers start.
-  [ -n "$STOPPED_BY" ] && return
   STOPPED_BY=$1
-  kill -TERM "$TORCHRUN_PID" 2>/dev/null || true
+  if [ -n "$TORCHRUN_PID" ]; then kill -TERM "$TORCHRUN_PID" 2>/dev/null || true; fi
 }
+trap 'stop_torchrun TERM' TERM
+trap 'stop_torchrun INT' INT
 
 # torchrun's own messages go to a file and, through tail (GNU: --pid), to stderr: its summary of a
 # failure names the rank that failed first, which the report below needs.
 echo "launching: ${TORCHRUN[*]}"
+STARTING=1  # a signal from here on is passed on once torchrun's PID is known
 "${TORCHRUN[@]}" 2>>"$RUN_LOG_DIR/torchrun.log" &
 TORCHRUN_PID=$!
-trap 'stop_torchrun TERM' TERM
-trap 'stop_torchrun INT' INT
+if [ -n "$STOPPED_BY" ]; then kill -TERM "$TORCHRUN_PID" 2>/dev/null || true; fi
 tail -n +1 -s 0.2 -f --pid="$TORCHRUN_PID" "$RUN_LOG_DIR/torchrun.log" >&2 &
 TAIL_PID=$!
+live_children() {  # whether a process has a child that has not ended (a zombie has)
+  local child
+  for child in $(pgrep -P "$1" 2>/dev/null); do
+    [ "$(sed 's/.*) //' "/proc/$child/stat" 2>/dev/null | cut -d' ' -f1)" = Z ] || return 0
+  done
+  return 1
+}
+
 status=0
 wait "$TORCHRUN_PID" || status=$?
-# a trapped signal ends `wait` early: wait for the exit itself
+# A trapped signal ends `wait` early: watch torchrun until it exits. A second SIGTERM breaks its
+# shutdown (it waits for its workers no more, and never exits): once they are gone, it is ended.
+idle=0
 while kill -0 "$TORCHRUN_PID" 2>/dev/null; do
-  status=0
-  wait "$TORCHRUN_PID" || status=$?
+  if live_children "$TORCHRUN_PID"; then idle=0; else idle=$((idle + 1)); fi
+  if [ "$idle" -ge 20 ]; then kill -KILL "$TORCHRUN_PID" 2>/dev/null || true; fi
+  sleep 0.5
 done
+status=0
+wait "$TORCHRUN_PID" || status=$?
 wait "$TAIL_PID" || true
 
 last_attempt_dir() {  # LOG_DIR/<date>-node<rank>-<pid>/<rendezvous id>_<random>/attempt_<restarts>
@@ -412,6 +442,16 @@ report_failure() {
 }
 
 restarts=$(basename "$(last_attempt_dir)" | sed -n 's/^attempt_//p')
+# the trainer's line when it stopped after a checkpoint, from any rank of any attempt
+stop_line=$(grep -rh '^stopped at step' "$RUN_LOG_DIR" 2>/dev/null | sed -n 1p || true)
+if [ -n "$STOPPED_AT_ONCE" ]; then
+  echo "stopped at once by a second Ctrl-C: torchrun and its workers were killed, without a checkpoint of this step -> run the same command again to resume from the newest checkpoint (logs: $RUN_LOG_DIR)" >&2
+  exit 130
+fi
+if [ -n "$stop_line" ]; then
+  echo "$stop_line (logs: $RUN_LOG_DIR)" >&2
+  exit 3
+fi
 if [ -n "$STOPPED_BY" ]; then
   echo "FAIL: stopped by SIG$STOPPED_BY, passed on to torchrun and the workers, which have exited (logs: $RUN_LOG_DIR) -> run the same command again to continue: the trainer resumes from its newest checkpoint" >&2
   [ "$STOPPED_BY" = INT ] && exit 130

@@ -14,6 +14,7 @@ NVML), # tiered (an input embedding partly in CPU memory), # FAULT (fault inject
 
 import contextlib
 import difflib
+import fcntl
 import functools
 import gc
 import json
@@ -24,7 +25,9 @@ import re
 import secrets
 import shutil
 import signal
+import socket
 import sys
+import tempfile
 import time
 import zlib
 from datetime import timedelta
@@ -75,6 +78,9 @@ NOT_HERE = {"fsdp.reshard_after_forward": "an FSDP setting", "fsdp.cpu_offload":
             "fsdp.activation_checkpointing": "an FSDP setting",
             "checkpoint.async_save": "sharded checkpoints are written in the background"}
 IGNORE_INDEX = -100  # the label F.cross_entropy skips: padding, and the positions MLM leaves
+# Exit codes: 0 done; 1 a rank was lost (a restart may help); 2 a mistake to fix (no restart would)
+EXIT_STOPPED = 3  # stopped by a signal after a checkpoint: run the same command again to go on
+STOP_REPEAT_S = 60  # signals this soon after the first only repeat it: Slurm and torchrun both send
 
 
 def main():
@@ -133,6 +139,8 @@ def main():
     run = SimpleNamespace(cfg=cfg, device=device, autocast=autocast, train_data=train_data,
                           raw_model=raw_model, meta=meta, ckpt_dir=Path(cfg.checkpoint.dir), step=0,
                           samples_seen=0, tokens_seen=0, bad_in_a_row=0)
+    # one run per directory: rank 0 holds a lock on it before it looks at any checkpoint
+    run.lock = on_rank0(hold_directory, run.ckpt_dir, cfg.checkpoint.every > 0, share_result=False)
     if world_size > 1 and cfg.checkpoint.every > 0:  # every rank must see what rank 0 writes
         check_shared_directory(run.ckpt_dir)
     # Rank 0 alone picks the checkpoint: ranks that listed the directory themselves could see
@@ -176,8 +184,8 @@ def main():
         if result.stop:
             saved = (f"checkpoint {step_dir(run.ckpt_dir, run.step)} is written" if
                      cfg.checkpoint.every else "no checkpoint (checkpoint.every=0)")
-            die(f"stopped at step {run.step} by a stop signal (SIGTERM or SIGINT); {saved} -> run "
-                "the same command again to resume from the newest checkpoint")
+            raise Stopped(f"stopped at step {run.step} by a stop signal; {saved} -> run the same "
+                          "command again to resume from the newest checkpoint")
 
     if cfg.export and not weights_are_finite(raw_model):
         die("the trained weights are not finite: not exported -> lower optim.lr")
@@ -265,8 +273,8 @@ def wrap_model(raw_model, cfg, device, use_compile, timers):
         ddp = DDP(raw_model, device_ids=[device.index] if device.type == "cuda" else None,
                   bucket_cap_mb=cfg.dist.bucket_mb, gradient_as_bucket_view=True,
                   broadcast_buffers=False)
-        if cfg.dist.grad_compression == "bf16":
-            ddp.register_comm_hook(timers.allreduce_spans, bf16_allreduce_hook)
+        timers.exposed_spans, timers.bf16 = [], cfg.dist.grad_compression == "bf16"
+        ddp.register_comm_hook(timers, ddp_allreduce_hook)  # DDP's all-reduce, timed
         # Under torch.compile, Dynamo splits the graph at DDP's buckets (DDPOptimizer), so a
         # bucket's all-reduce starts while backward still computes the layers before it.
         model = torch.compile(ddp) if use_compile else ddp
@@ -380,12 +388,20 @@ class InlineReducer:
         self.missing, self.in_flight = [len(bucket) for bucket in self.buckets], []
 
 
-def bf16_allreduce_hook(allreduce_spans, bucket):
-    """DDP's communication hook for dist.grad_compression=bf16: a bucket travels as bf16 and is
-    divided by the world size in fp32, as in InlineReducer. Not torch's bf16_compress_hook: that
+def ddp_allreduce_hook(timers, bucket):
+    """DDP's all-reduce of one bucket, timed: its start and end, and for the last bucket the end of
+    backward's compute, so its all-reduce's end beyond it is what backward did not hide. fp32 is
+    divided by the world size before the sum, as DDP does without a hook; bf16 (grad_compression)
+    travels and is divided in fp32 after, as in InlineReducer. Not torch's bf16_compress_hook: that
     divides in bf16, and DDP takes a hook of its name only from a torch built with CUDA and NCCL."""
     buffer = bucket.buffer()
-    work = timed_all_reduce(buffer.to(torch.bfloat16), allreduce_spans)
+    backward_end = time_stamp() if bucket.is_last() else None
+    wire = buffer.to(torch.bfloat16) if timers.bf16 else buffer.div_(dist.get_world_size())
+    work = timed_all_reduce(wire, timers.allreduce_spans)
+    if backward_end is not None:
+        work.get_future().then(lambda _: timers.exposed_spans.append((backward_end, time_stamp())))
+    if not timers.bf16:
+        return work.get_future().then(lambda future: future.value()[0])
     return work.get_future().then(
         lambda future: buffer.copy_(future.value()[0]).div_(dist.get_world_size()))
 
@@ -440,7 +456,8 @@ def train_state(run, scheduler, scaler):
     return {"step": run.step, "samples_seen": run.samples_seen, "rng": rng_states,
             "tokens_seen": run.tokens_seen, "config": config_dict(run.cfg),
             "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
-            "data_fingerprint": run.meta.get("fingerprint"), "world_size": dist.get_world_size()}
+            "data_fingerprint": run.meta.get("fingerprint"), "vocab_size": run.meta["vocab_size"],
+            "world_size": dist.get_world_size()}
 
 
 def write_checkpoint(ckpt_dir, step, keep, raw_model, optimizer, state):
@@ -448,10 +465,10 @@ def write_checkpoint(ckpt_dir, step, keep, raw_model, optimizer, state):
     that resume=auto would pick. `latest` moves only after the rename; old ones go last."""
     final = step_dir(ckpt_dir, step)
     temporary = ckpt_dir / f".tmp-{final.name}-{os.getpid()}"
+    parts = [("model.pt", raw_model.state_dict()), ("optimizer.pt", optimizer.state_dict()),
+             ("train_state.pt", state)]
     try:
         temporary.mkdir(parents=True, exist_ok=True)
-        parts = [("model.pt", raw_model.state_dict()), ("optimizer.pt", optimizer.state_dict()),
-                 ("train_state.pt", state)]
         for name, part in parts:
             with open(temporary / name, "wb") as file:
                 torch.save(part, file)
@@ -463,9 +480,9 @@ def write_checkpoint(ckpt_dir, step, keep, raw_model, optimizer, state):
         if final.exists():  # an incomplete leftover: resume refuses dirs with newer checkpoints
             shutil.rmtree(final)
         publish(temporary, final, keep)
-    except OSError as error:
-        die(f"cannot write checkpoint to {ckpt_dir} ({error}) -> free disk space or set "
-            "checkpoint.dir")
+    except (OSError, RuntimeError) as error:  # torch.save says "disk full" as a RuntimeError
+        shutil.rmtree(temporary, ignore_errors=True)
+        die(cannot_write(ckpt_dir, error, sum(tensor_bytes(part) for _, part in parts)))
 
 
 def publish(temporary, final, keep):
@@ -480,9 +497,55 @@ def publish(temporary, final, keep):
         shutil.rmtree(old)
 
 
+def cannot_write(ckpt_dir, error, needed):
+    """The one line for a checkpoint that could not be written, with the disk's free space."""
+    free = shutil.disk_usage(ckpt_dir).free if ckpt_dir.exists() else 0
+    return (f"cannot write checkpoint to {ckpt_dir} ({first_line(error)}): {free / 2**20:,.1f} MiB "
+            f"free there, a checkpoint needs about {needed / 2**20:,.1f} MiB -> free disk space or "
+            "set checkpoint.dir; the newest complete checkpoint is untouched")
+
+
+def tensor_bytes(state):
+    """The bytes of every tensor in a nested state dict."""
+    if torch.is_tensor(state):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        state = list(state.values())
+    return sum(tensor_bytes(part) for part in state) if isinstance(state, (list, tuple)) else 0
+
+
+def hold_directory(ckpt_dir, writing):
+    """Hold ckpt_dir for this run: an advisory lock on its .lock file, which the system releases
+    when the process ends however it ends, so a second run on it stops before it touches anything
+    and a dead holder never blocks. Returns the open file (the lock lasts as long as it)."""
+    if not writing and not ckpt_dir.is_dir():
+        return None
+    try:
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        lock = open(ckpt_dir / ".lock", "a+")
+    except OSError as error:
+        die(f"cannot write to checkpoint.dir={ckpt_dir} ({error}) -> set checkpoint.dir to a "
+            "writable directory")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "holder unknown"
+        die(f"{ckpt_dir} is in use by another run ({holder}) -> wait for it to end or stop it, or "
+            "give this run another checkpoint.dir")
+    except OSError as error:  # a filesystem without locks
+        log0(f"warning: cannot lock {ckpt_dir} ({first_line(error)}): two runs on it at once would "
+             "damage each other's checkpoints")
+        return lock
+    lock.truncate(0)
+    lock.write(f"host {socket.gethostname()}, PID {os.getpid()}, since {time.strftime('%c')}\n")
+    lock.flush()
+    return lock
+
+
 def resume(resume_dir, run, optimizer, scheduler, scaler):
     """Load a checkpoint into the model, optimizer, schedule and scaler, and the run's position."""
-    state = on_all_ranks(load_train_state, resume_dir, scheduler, scaler, run.cfg)
+    state = on_all_ranks(load_train_state, resume_dir, scheduler, scaler, run.cfg, run.meta)
     on_all_ranks(load_weights, resume_dir, run.raw_model, optimizer)
     run.step, run.samples_seen, run.tokens_seen = (state[key] for key in
                                                    ("step", "samples_seen", "tokens_seen"))
@@ -502,12 +565,17 @@ def resume(resume_dir, run, optimizer, scheduler, scaler):
          f"{run.tokens_seen:,} tokens seen")
 
 
-def load_train_state(path, scheduler, scaler, cfg):
+def load_train_state(path, scheduler, scaler, cfg, meta):
     """Step, data position, RNG, schedule and grad scaler, once the model's shape is known to match.
     weights_only=True everywhere: a checkpoint is data, loading it must never run pickled code."""
     try:
         train_state = torch.load(path / "train_state.pt", weights_only=True)
         saved_config, this_config = train_state["config"], config_dict(cfg)
+        vocab_size = train_state.get("vocab_size", meta["vocab_size"])
+        if vocab_size != meta["vocab_size"]:
+            die(f"checkpoint {path} was trained on data of {vocab_size:,} tokens' vocabulary, "
+                f"{cfg.data.dir} has {meta['vocab_size']:,} -> give the data.dir it was trained "
+                "on, or start afresh in another checkpoint.dir")
         for key, before_it_existed in MODEL_KEYS.items():
             saved = saved_config.get(key, before_it_existed)
             if saved != this_config[key]:
@@ -891,6 +959,10 @@ def choose_precision(requested, device):
 
 class UserError(Exception):
     """A foreseeable mistake (bad config, missing data, unreadable checkpoint): one clear line."""
+
+
+class Stopped(Exception):
+    """A requested stop, not an error: the run ends after a checkpoint, and a new run goes on."""
 
 
 def die(message):
@@ -1541,16 +1613,25 @@ def log_interval(interval, run, result):
 
 
 def comm_figures(timers, steps):
-    """The interval's p50 and p95 bucket all-reduce (ms from start to end), and the wait for them
-    per step that backward did not hide: our reducers' (DDP's run inside its C++ reducer: null)."""
-    spans, count = timers.allreduce_spans, len(timers.allreduce_spans)  # a late callback's stays
+    """The interval's p50 and p95 bucket all-reduce (ms from start to end), and the communication
+    per step that backward did not hide: our reducers' wait for it, or DDP's last all-reduce beyond
+    the end of backward's compute. None where nothing was timed (FSDP's run inside its hooks)."""
+    latency_ms = span_ms(timers.allreduce_spans)
+    percentile = {q: float(np.percentile(latency_ms, q)) if latency_ms else None for q in (50, 95)}
+    exposed_ms = 1000 * timers.comm_wait.total_s() / steps if timers.comm_wait else None
+    if getattr(timers, "exposed_spans", None):  # DDP's
+        exposed_ms = sum(max(0.0, ms) for ms in span_ms(timers.exposed_spans)) / steps
+    return {"comm_exposed_ms": exposed_ms, "allreduce_p50_ms": percentile[50],
+            "allreduce_p95_ms": percentile[95]}
+
+
+def span_ms(spans):
+    """Each (start, end) of the list in ms, removed from it (one a late callback adds stays)."""
+    count = len(spans)
     latency_ms = [1000 * (end - start) if isinstance(start, float) else
                   end.synchronize() or start.elapsed_time(end) for start, end in spans[:count]]
     del spans[:count]
-    percentile = {q: float(np.percentile(latency_ms, q)) if latency_ms else None for q in (50, 95)}
-    exposed_ms = 1000 * timers.comm_wait.total_s() / steps if timers.comm_wait else None
-    return {"comm_exposed_ms": exposed_ms, "allreduce_p50_ms": percentile[50],
-            "allreduce_p95_ms": percentile[95]}
+    return latency_ms
 
 
 def log_line(record, max_steps):
@@ -1605,14 +1686,20 @@ def validate(model, val_data, run):
 def catch_stop_signals():
     """SIGTERM (a scheduler's preemption; torchrun passes it on to every worker and kills them 30 s
     later by default) and SIGINT (Ctrl-C) ask for a clean stop: the list returned gets the signal's
-    name, and every rank stops after the same step, with a checkpoint. A second stops at once."""
+    name and time, and every rank stops after the same step, with a checkpoint. Slurm signals every
+    process of a job step and torchrun passes its own on, so signals within STOP_REPEAT_S of the
+    first repeat it; a later one stops this process at once, without a checkpoint."""
     requested = []
 
     def on_signal(number, frame):
-        if requested:
+        if requested and time.monotonic() - requested[0][1] > STOP_REPEAT_S:
+            print(f"stopped at once by a second {signal.Signals(number).name}, "
+                  f"{time.monotonic() - requested[0][1]:.0f} s after the first: no checkpoint of "
+                  "this step; a new run resumes from the newest one", file=sys.stderr, flush=True)
             signal.signal(number, signal.SIG_DFL)
             os.kill(os.getpid(), number)
-        requested.append(signal.Signals(number).name)
+        if not requested:
+            requested.append((signal.Signals(number).name, time.monotonic()))
 
     for number in (signal.SIGTERM, signal.SIGINT):
         signal.signal(number, on_signal)
@@ -2249,7 +2336,28 @@ def save_fault(step):
 # ============================================================================== faults: end
 
 
+def ended_attempt(code=None, line=None):
+    """A restart of the workers by torchrun (MAX_RESTARTS) cannot undo a stop or a mistake to fix:
+    the workers of an attempt that ended so note it, and those of the next one end alike at once.
+    The note lies on this node, named after torchrun's PID; a new torchrun starts afresh."""
+
+    note = Path(tempfile.gettempdir()) / f"train-ended-{os.getppid()}.json"
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "-1"))
+    if code is not None and restarts >= 0:
+        with contextlib.suppress(OSError):
+            note.write_text(json.dumps({"code": code, "line": line}))
+    elif restarts == 0:
+        note.unlink(missing_ok=True)
+    elif restarts > 0 and note.is_file():
+        return json.loads(note.read_text())
+    return None
+
+
 if __name__ == "__main__":
+    if ended := ended_attempt():  # this attempt is a restart after a stop or a mistake: end alike
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(ended["line"], file=sys.stderr, flush=True)
+        sys.exit(ended["code"])
     try:
         try:
             main()
@@ -2260,14 +2368,15 @@ if __name__ == "__main__":
                 dist.destroy_process_group()
         finally:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)  # leaving: a SIGTERM ends us at once
-
-    except UserError as error:
-        if int(os.environ.get("RANK", "0")) == 0:  # every rank has the same error: rank 0 says it
-
-            print(f"error: {error}", file=sys.stderr, flush=True)
+    except (UserError, Stopped) as ending:
+        code, line = (2, f"error: {ending}") if isinstance(ending, UserError) else (EXIT_STOPPED,
+                                                                                    str(ending))
+        if int(os.environ.get("RANK", "0")) == 0:  # every rank has the same ending: rank 0 says it
+            print(line, file=sys.stderr, flush=True)
+        ended_attempt(code, line)
         if dist.is_initialized():
             dist.destroy_process_group()
-        sys.exit(2)
+        sys.exit(code)
     except (dist.DistError, RuntimeError) as error:
         # gloo reports a timeout or a lost peer as a plain RuntimeError; anything else is a bug
         if not dist.is_initialized() or not any(word in str(error) for word in

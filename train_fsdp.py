@@ -17,6 +17,7 @@ end, # metrics (TensorBoard, Prometheus, NVML) and # FAULT (fault injection for 
 
 import contextlib
 import difflib
+import fcntl
 import functools
 import gc
 import json
@@ -27,7 +28,9 @@ import re
 import secrets
 import shutil
 import signal
+import socket
 import sys
+import tempfile
 import time
 import zlib
 from datetime import timedelta
@@ -85,6 +88,9 @@ NOT_HERE = {"dist.reducer": "FSDP reduce-scatters the gradients itself",
             "model.embedding_gpu_rows": "FSDP shards the embedding over the ranks already; "
                                         "fsdp.cpu_offload=true keeps the shards in CPU memory"}
 IGNORE_INDEX = -100  # the label F.cross_entropy skips: padding, and the positions MLM leaves
+# Exit codes: 0 done; 1 a rank was lost (a restart may help); 2 a mistake to fix (no restart would)
+EXIT_STOPPED = 3  # stopped by a signal after a checkpoint: run the same command again to go on
+STOP_REPEAT_S = 60  # signals this soon after the first only repeat it: Slurm and torchrun both send
 
 
 def main():
@@ -142,6 +148,8 @@ def main():
     run = SimpleNamespace(cfg=cfg, device=device, autocast=autocast, train_data=train_data,
                           raw_model=raw_model, meta=meta, ckpt_dir=Path(cfg.checkpoint.dir), step=0,
                           samples_seen=0, tokens_seen=0, bad_in_a_row=0)
+    # one run per directory: rank 0 holds a lock on it before it looks at any checkpoint
+    run.lock = on_rank0(hold_directory, run.ckpt_dir, cfg.checkpoint.every > 0, share_result=False)
     if world_size > 1 and cfg.checkpoint.every > 0:  # every rank must see what rank 0 writes
         check_shared_directory(run.ckpt_dir)
     # Rank 0 alone picks the checkpoint: ranks that listed the directory themselves could see
@@ -156,7 +164,6 @@ def main():
     model, run.parallel = raw_model, gradient_sync(raw_model)  # sharded in section 4
     # dcp.async_save writes in a thread of its own and needs a process group with a CPU backend
     run.async_group = dist.new_group(backend="gloo") if cfg.checkpoint.async_save else None
-    run.saving = None  # an async checkpoint still being written
     run.loss_of = loss_function(cfg, task, use_compile)
     run.peak_flops = peak_flops_per_gpu(device, cfg.log.peak_tflops)
     run.metrics = on_rank0(open_metrics, Path(cfg.out_dir), run.step, share_result=False)
@@ -188,8 +195,8 @@ def main():
         if result.stop:
             saved = (f"checkpoint {step_dir(run.ckpt_dir, run.step)} is written" if
                      cfg.checkpoint.every else "no checkpoint (checkpoint.every=0)")
-            die(f"stopped at step {run.step} by a stop signal (SIGTERM or SIGINT); {saved} -> run "
-                "the same command again to resume from the newest checkpoint")
+            raise Stopped(f"stopped at step {run.step} by a stop signal; {saved} -> run the same "
+                          "command again to resume from the newest checkpoint")
 
     if cfg.export and not weights_are_finite(raw_model):
         die("the trained weights are not finite: not exported -> lower optim.lr")
@@ -370,7 +377,8 @@ def train_state(run, scheduler, scaler):
     return {"step": run.step, "samples_seen": run.samples_seen, "rng": rng_states,
             "tokens_seen": run.tokens_seen, "config": config_dict(run.cfg),
             "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
-            "data_fingerprint": run.meta.get("fingerprint"), "world_size": dist.get_world_size()}
+            "data_fingerprint": run.meta.get("fingerprint"), "vocab_size": run.meta["vocab_size"],
+            "world_size": dist.get_world_size()}
 
 
 def save_checkpoint(run, optimizer, scheduler, scaler, wait=True):
@@ -378,51 +386,57 @@ def save_checkpoint(run, optimizer, scheduler, scaler, wait=True):
     (torch.distributed.checkpoint), rank 0 train_state(); finish_checkpoint publishes it. With
     checkpoint.async_save and not `wait`, the shards are copied to CPU memory here and written by a
     background thread while training goes on."""
+    finish_checkpoint()  # the one before, if still being written: published first
     state = train_state(run, scheduler, scaler)
-    finish_checkpoint(run)  # the one before, if still being written: published first
-    temporary = run.ckpt_dir / f".tmp-{step_dir(run.ckpt_dir, run.step).name}"  # one for all ranks
+    final = step_dir(run.ckpt_dir, run.step)
+    temporary = run.ckpt_dir / f".tmp-{final.name}"  # the same name on every rank
     on_rank0(write_train_state, temporary, state)
     model_state, optimizer_state = get_state_dict(run.raw_model, optimizer)
     shards = {"model": model_state, "optimizer": optimizer_state}
-    future = None
+    saving = SimpleNamespace(temporary=temporary, final=final, keep=run.cfg.checkpoint.keep,
+                             needed=tensor_bytes(shards), future=None)
     try:
         if run.async_group is not None and not wait:
-            future = dcp.async_save(shards, checkpoint_id=temporary, process_group=run.async_group)
+            saving.future = dcp.async_save(shards, checkpoint_id=temporary,
+                                           process_group=run.async_group)
         else:
             dcp.save(shards, checkpoint_id=temporary)
     except CheckpointException as error:  # raised on every rank when any rank fails
-        die(f"cannot write checkpoint to {run.ckpt_dir} ({first_line(error)}) -> free disk space "
-            "or set checkpoint.dir")
-
+        on_rank0(shutil.rmtree, temporary, True)
+        die(cannot_write(run.ckpt_dir, error, saving.needed))
     save_fault(run.step)  # FAULT
-    run.saving = SimpleNamespace(future=future, temporary=temporary, step=run.step)
-    if future is None:
-        finish_checkpoint(run)
+    IN_FLIGHT.append(saving)
+    if saving.future is None:
+        finish_checkpoint()
 
 
-def finish_checkpoint(run):
+# a checkpoint being written in the background: published before the next one is started and
+# before the run ends, however it ends (finish_checkpoint)
+IN_FLIGHT = []
+
+
+def finish_checkpoint():
     """Wait until every rank's shards are written, then rank 0 renames the directory into place."""
-    saving, run.saving = run.saving, None
-    if saving is None:
+    if not IN_FLIGHT:
         return
+    saving = IN_FLIGHT.pop()
     if saving.future is not None:
-        on_all_ranks(wait_for_write, saving.future, run.ckpt_dir)
+        on_all_ranks(wait_for_write, saving)
     # each rank checksums the shard files it wrote (DCP names them __<rank>_<n>.distcp)
     checksums = [None] * dist.get_world_size()
     dist.all_gather_object(checksums, {path.name: file_checksum(path) for path in
                                        saving.temporary.glob(f"__{dist.get_rank()}_*.distcp")})
-    known = {name: value for part in checksums for name, value in part.items()}
-    on_rank0(publish_shards, saving.temporary, step_dir(run.ckpt_dir, saving.step),
-             run.cfg.checkpoint.keep, known)
-    log0(f"checkpoint {step_dir(run.ckpt_dir, saving.step)} written")
+    on_rank0(publish_shards, saving, {name: value for part in checksums for name, value in
+                                      part.items()})
+    log0(f"checkpoint {saving.final} written")
 
 
-def wait_for_write(future, ckpt_dir):
+def wait_for_write(saving):
     try:
-        future.result()
+        saving.future.result()
     except Exception as error:  # DCP's background thread raises again what stopped it
-        die(f"cannot write checkpoint to {ckpt_dir} ({first_line(error)}) -> free disk space or "
-            "set checkpoint.dir")
+        shutil.rmtree(saving.temporary, ignore_errors=True)
+        die(cannot_write(saving.temporary.parent, error, saving.needed))
 
 
 def write_train_state(temporary, state):
@@ -435,21 +449,21 @@ def write_train_state(temporary, state):
             file.flush()
             os.fsync(file.fileno())  # the rename in publish must not reach the disk before the data
         (temporary / "config.yaml").write_text(yaml.safe_dump(state["config"], sort_keys=False))
-    except OSError as error:
-        die(f"cannot write checkpoint to {temporary.parent} ({error}) -> free disk space or set "
-            "checkpoint.dir")
+    except (OSError, RuntimeError) as error:  # torch.save says "disk full" as a RuntimeError
+        shutil.rmtree(temporary, ignore_errors=True)
+        die(cannot_write(temporary.parent, error, tensor_bytes(state)))
 
 
-def publish_shards(temporary, final, keep, shard_checksums):
+def publish_shards(saving, shard_checksums):
     """Rename the complete checkpoint into place (DCP fsyncs each file it writes)."""
     try:
-        write_checksums(temporary, [".metadata", "train_state.pt"], known=shard_checksums)
-        if final.exists():  # an incomplete leftover: resume refuses dirs with newer checkpoints
-            shutil.rmtree(final)
-        publish(temporary, final, keep)
+        write_checksums(saving.temporary, [".metadata", "train_state.pt"], known=shard_checksums)
+        if saving.final.exists():  # an incomplete leftover: resume refuses dirs with newer ones
+            shutil.rmtree(saving.final)
+        publish(saving.temporary, saving.final, saving.keep)
     except OSError as error:
-        die(f"cannot write checkpoint to {final.parent} ({error}) -> free disk space or set "
-            "checkpoint.dir")
+        shutil.rmtree(saving.temporary, ignore_errors=True)
+        die(cannot_write(saving.final.parent, error, saving.needed))
 
 
 def publish(temporary, final, keep):
@@ -464,9 +478,55 @@ def publish(temporary, final, keep):
         shutil.rmtree(old)
 
 
+def cannot_write(ckpt_dir, error, needed):
+    """The one line for a checkpoint that could not be written, with the disk's free space."""
+    free = shutil.disk_usage(ckpt_dir).free if ckpt_dir.exists() else 0
+    return (f"cannot write checkpoint to {ckpt_dir} ({first_line(error)}): {free / 2**20:,.1f} MiB "
+            f"free there, a checkpoint needs about {needed / 2**20:,.1f} MiB -> free disk space or "
+            "set checkpoint.dir; the newest complete checkpoint is untouched")
+
+
+def tensor_bytes(state):
+    """The bytes of every tensor in a nested state dict."""
+    if torch.is_tensor(state):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        state = list(state.values())
+    return sum(tensor_bytes(part) for part in state) if isinstance(state, (list, tuple)) else 0
+
+
+def hold_directory(ckpt_dir, writing):
+    """Hold ckpt_dir for this run: an advisory lock on its .lock file, which the system releases
+    when the process ends however it ends, so a second run on it stops before it touches anything
+    and a dead holder never blocks. Returns the open file (the lock lasts as long as it)."""
+    if not writing and not ckpt_dir.is_dir():
+        return None
+    try:
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        lock = open(ckpt_dir / ".lock", "a+")
+    except OSError as error:
+        die(f"cannot write to checkpoint.dir={ckpt_dir} ({error}) -> set checkpoint.dir to a "
+            "writable directory")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "holder unknown"
+        die(f"{ckpt_dir} is in use by another run ({holder}) -> wait for it to end or stop it, or "
+            "give this run another checkpoint.dir")
+    except OSError as error:  # a filesystem without locks
+        log0(f"warning: cannot lock {ckpt_dir} ({first_line(error)}): two runs on it at once would "
+             "damage each other's checkpoints")
+        return lock
+    lock.truncate(0)
+    lock.write(f"host {socket.gethostname()}, PID {os.getpid()}, since {time.strftime('%c')}\n")
+    lock.flush()
+    return lock
+
+
 def resume(resume_dir, run, optimizer, scheduler, scaler):
     """Load a checkpoint into the model, optimizer, schedule and scaler, and the run's position."""
-    state = on_all_ranks(load_train_state, resume_dir, scheduler, scaler, run.cfg)
+    state = on_all_ranks(load_train_state, resume_dir, scheduler, scaler, run.cfg, run.meta)
     on_all_ranks(load_weights, resume_dir, run.raw_model, optimizer)
     run.step, run.samples_seen, run.tokens_seen = (state[key] for key in
                                                    ("step", "samples_seen", "tokens_seen"))
@@ -486,12 +546,17 @@ def resume(resume_dir, run, optimizer, scheduler, scaler):
          f"{run.tokens_seen:,} tokens seen")
 
 
-def load_train_state(path, scheduler, scaler, cfg):
+def load_train_state(path, scheduler, scaler, cfg, meta):
     """Step, data position, RNG, schedule and grad scaler, once the model's shape is known to match.
     weights_only=True everywhere: a checkpoint is data, loading it must never run pickled code."""
     try:
         train_state = torch.load(path / "train_state.pt", weights_only=True)
         saved_config, this_config = train_state["config"], config_dict(cfg)
+        vocab_size = train_state.get("vocab_size", meta["vocab_size"])
+        if vocab_size != meta["vocab_size"]:
+            die(f"checkpoint {path} was trained on data of {vocab_size:,} tokens' vocabulary, "
+                f"{cfg.data.dir} has {meta['vocab_size']:,} -> give the data.dir it was trained "
+                "on, or start afresh in another checkpoint.dir")
         for key, before_it_existed in MODEL_KEYS.items():
             saved = saved_config.get(key, before_it_existed)
             if saved != this_config[key]:
@@ -883,6 +948,10 @@ def choose_precision(requested, device):
 
 class UserError(Exception):
     """A foreseeable mistake (bad config, missing data, unreadable checkpoint): one clear line."""
+
+
+class Stopped(Exception):
+    """A requested stop, not an error: the run ends after a checkpoint, and a new run goes on."""
 
 
 def die(message):
@@ -1532,16 +1601,25 @@ def log_interval(interval, run, result):
 
 
 def comm_figures(timers, steps):
-    """The interval's p50 and p95 bucket all-reduce (ms from start to end), and the wait for them
-    per step that backward did not hide: our reducers' (DDP's run inside its C++ reducer: null)."""
-    spans, count = timers.allreduce_spans, len(timers.allreduce_spans)  # a late callback's stays
+    """The interval's p50 and p95 bucket all-reduce (ms from start to end), and the communication
+    per step that backward did not hide: our reducers' wait for it, or DDP's last all-reduce beyond
+    the end of backward's compute. None where nothing was timed (FSDP's run inside its hooks)."""
+    latency_ms = span_ms(timers.allreduce_spans)
+    percentile = {q: float(np.percentile(latency_ms, q)) if latency_ms else None for q in (50, 95)}
+    exposed_ms = 1000 * timers.comm_wait.total_s() / steps if timers.comm_wait else None
+    if getattr(timers, "exposed_spans", None):  # DDP's
+        exposed_ms = sum(max(0.0, ms) for ms in span_ms(timers.exposed_spans)) / steps
+    return {"comm_exposed_ms": exposed_ms, "allreduce_p50_ms": percentile[50],
+            "allreduce_p95_ms": percentile[95]}
+
+
+def span_ms(spans):
+    """Each (start, end) of the list in ms, removed from it (one a late callback adds stays)."""
+    count = len(spans)
     latency_ms = [1000 * (end - start) if isinstance(start, float) else
                   end.synchronize() or start.elapsed_time(end) for start, end in spans[:count]]
     del spans[:count]
-    percentile = {q: float(np.percentile(latency_ms, q)) if latency_ms else None for q in (50, 95)}
-    exposed_ms = 1000 * timers.comm_wait.total_s() / steps if timers.comm_wait else None
-    return {"comm_exposed_ms": exposed_ms, "allreduce_p50_ms": percentile[50],
-            "allreduce_p95_ms": percentile[95]}
+    return latency_ms
 
 
 def log_line(record, max_steps):
@@ -1596,14 +1674,20 @@ def validate(model, val_data, run):
 def catch_stop_signals():
     """SIGTERM (a scheduler's preemption; torchrun passes it on to every worker and kills them 30 s
     later by default) and SIGINT (Ctrl-C) ask for a clean stop: the list returned gets the signal's
-    name, and every rank stops after the same step, with a checkpoint. A second stops at once."""
+    name and time, and every rank stops after the same step, with a checkpoint. Slurm signals every
+    process of a job step and torchrun passes its own on, so signals within STOP_REPEAT_S of the
+    first repeat it; a later one stops this process at once, without a checkpoint."""
     requested = []
 
     def on_signal(number, frame):
-        if requested:
+        if requested and time.monotonic() - requested[0][1] > STOP_REPEAT_S:
+            print(f"stopped at once by a second {signal.Signals(number).name}, "
+                  f"{time.monotonic() - requested[0][1]:.0f} s after the first: no checkpoint of "
+                  "this step; a new run resumes from the newest one", file=sys.stderr, flush=True)
             signal.signal(number, signal.SIG_DFL)
             os.kill(os.getpid(), number)
-        requested.append(signal.Signals(number).name)
+        if not requested:
+            requested.append((signal.Signals(number).name, time.monotonic()))
 
     for number in (signal.SIGTERM, signal.SIGINT):
         signal.signal(number, on_signal)
@@ -1887,7 +1971,28 @@ def save_fault(step):
 # ============================================================================== faults: end
 
 
+def ended_attempt(code=None, line=None):
+    """A restart of the workers by torchrun (MAX_RESTARTS) cannot undo a stop or a mistake to fix:
+    the workers of an attempt that ended so note it, and those of the next one end alike at once.
+    The note lies on this node, named after torchrun's PID; a new torchrun starts afresh."""
+
+    note = Path(tempfile.gettempdir()) / f"train-ended-{os.getppid()}.json"
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "-1"))
+    if code is not None and restarts >= 0:
+        with contextlib.suppress(OSError):
+            note.write_text(json.dumps({"code": code, "line": line}))
+    elif restarts == 0:
+        note.unlink(missing_ok=True)
+    elif restarts > 0 and note.is_file():
+        return json.loads(note.read_text())
+    return None
+
+
 if __name__ == "__main__":
+    if ended := ended_attempt():  # this attempt is a restart after a stop or a mistake: end alike
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(ended["line"], file=sys.stderr, flush=True)
+        sys.exit(ended["code"])
     try:
         try:
             main()
@@ -1898,14 +2003,16 @@ if __name__ == "__main__":
                 dist.destroy_process_group()
         finally:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)  # leaving: a SIGTERM ends us at once
-
-    except UserError as error:
-        if int(os.environ.get("RANK", "0")) == 0:  # every rank has the same error: rank 0 says it
-
-            print(f"error: {error}", file=sys.stderr, flush=True)
+    except (UserError, Stopped) as ending:
+        finish_checkpoint()  # one being written in the background is published before we leave
+        code, line = (2, f"error: {ending}") if isinstance(ending, UserError) else (EXIT_STOPPED,
+                                                                                    str(ending))
+        if int(os.environ.get("RANK", "0")) == 0:  # every rank has the same ending: rank 0 says it
+            print(line, file=sys.stderr, flush=True)
+        ended_attempt(code, line)
         if dist.is_initialized():
             dist.destroy_process_group()
-        sys.exit(2)
+        sys.exit(code)
     except (dist.DistError, RuntimeError) as error:
         # gloo reports a timeout or a lost peer as a plain RuntimeError; anything else is a bug
         if not dist.is_initialized() or not any(word in str(error) for word in
