@@ -265,13 +265,12 @@ def special_token_ids(tokenizer):
 
 class ShardWriter:
     """One split as <split>-00000.arrow, <split>-00001.arrow, ...: a new file before one would pass
-    max_tokens."""
+    max_size (tokens, or images)."""
 
-    def __init__(self, out_dir, split, token_type, max_tokens):
-        self.out_dir, self.split, self.max_tokens = out_dir, split, max_tokens
-        self.schema = pa.schema([("input_ids", pa.list_(token_type))])
-        self.files, self.documents, self.tokens = [], 0, 0
-        self.writer, self.tokens_in_file = None, 0
+    def __init__(self, out_dir, split, schema, max_size):
+        self.out_dir, self.split, self.schema, self.max_size = out_dir, split, schema, max_size
+        self.files, self.rows, self.size = [], 0, 0
+        self.writer, self.size_in_file = None, 0
 
     def open_next_file(self):
         if self.writer is not None:
@@ -279,23 +278,23 @@ class ShardWriter:
         self.files.append(f"{self.split}-{len(self.files):05d}.arrow")
         # the IPC *file* format, not the stream: the trainer memory-maps it and jumps to any batch
         self.writer = pa.ipc.new_file(str(self.out_dir / self.files[-1]), self.schema)
-        self.tokens_in_file = 0
+        self.size_in_file = 0
 
-    def write(self, rows, row_lengths):
+    def write(self, columns, row_sizes):
         start = 0
-        while start < len(rows):
-            room = self.max_tokens - self.tokens_in_file
-            fits = int(np.searchsorted(np.cumsum(row_lengths[start:]), room, side="right"))
-            if self.writer is None or (fits == 0 and self.tokens_in_file > 0):
+        while start < len(row_sizes):
+            room = self.max_size - self.size_in_file
+            fits = int(np.searchsorted(np.cumsum(row_sizes[start:]), room, side="right"))
+            if self.writer is None or (fits == 0 and self.size_in_file > 0):
                 self.open_next_file()
                 continue
-            count = max(fits, 1)  # a document longer than a whole shard gets a file of its own
-            self.writer.write_batch(
-                pa.record_batch([rows.slice(start, count)], schema=self.schema))
-            self.tokens_in_file += int(row_lengths[start:start + count].sum())
+            count = max(fits, 1)  # a row larger than a whole shard gets a file of its own
+            self.writer.write_batch(pa.record_batch(
+                [column.slice(start, count) for column in columns], schema=self.schema))
+            self.size_in_file += int(row_sizes[start:start + count].sum())
             start += count
-        self.documents += len(rows)
-        self.tokens += int(row_lengths.sum())
+        self.rows += len(row_sizes)
+        self.size += int(row_sizes.sum())
 
     def close(self):
         if self.writer is None:
@@ -320,7 +319,8 @@ def write_shards(documents, tokenizer, out_dir, val_fraction, shard_tokens):
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
     eot_id = special_token_ids(tokenizer)["eot"]
     token_dtype = np.uint16 if vocab_size <= 65536 else np.int32
-    writers = {split: ShardWriter(out_dir, split, pa.from_numpy_dtype(token_dtype), shard_tokens)
+    schema = pa.schema([("input_ids", pa.list_(pa.from_numpy_dtype(token_dtype)))])
+    writers = {split: ShardWriter(out_dir, split, schema, shard_tokens)
                for split in ("train", "val")}
     token_counts, text_bytes = np.zeros(vocab_size, np.int64), 0
     # encode_batch_fast spreads a batch over all cores and skips the character offsets we never use;
@@ -334,7 +334,7 @@ def write_shards(documents, tokenizer, out_dir, val_fraction, shard_tokens):
         for split, in_split in (("train", [not v for v in in_val]), ("val", in_val)):
             rows, lengths, values = to_rows(list(itertools.compress(id_lists, in_split)), eot_id,
                                             token_dtype)
-            writers[split].write(rows, lengths)
+            writers[split].write([rows], lengths)
             if split == "train":
                 token_counts += np.bincount(values, minlength=vocab_size)
         text_bytes += sum(document_bytes for _, _, document_bytes in chunk)
@@ -342,7 +342,7 @@ def write_shards(documents, tokenizer, out_dir, val_fraction, shard_tokens):
         writer.close()
     return {"vocab_size": vocab_size, "token_dtype": np.dtype(token_dtype).name,
             "text_bytes": text_bytes,
-            "splits": {split: {"files": w.files, "documents": w.documents, "tokens": w.tokens}
+            "splits": {split: {"files": w.files, "documents": w.rows, "tokens": w.size}
                        for split, w in writers.items()},
             "token_counts": token_counts}
 
