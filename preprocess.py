@@ -5,12 +5,18 @@ config.yaml):
     python preprocess.py
     python preprocess.py --input my_texts/ more.jsonl --out data/mine     # your own corpus
 
-Read `main()` at the bottom first, then `write_shards()`, which makes the layout the trainers rely
-on: train-00000.arrow, ..., val-00000.arrow are Arrow IPC files with one row per document in one
-column `input_ids`; a row holds the document's token ids FOLLOWED BY the end-of-text id, so the
-column's flat values buffer is already the causal-LM token stream with separators. meta.json says
-how it was all made; token_frequencies.npy holds how often each token id occurs in the train split
-(int64, one per id).
+Read `main()` first (the end of the text path), then `write_shards()`, which makes the layout the
+trainers rely on: train-00000.arrow, ..., val-00000.arrow are Arrow IPC files with one row per
+document in one column `input_ids`; a row holds the document's token ids FOLLOWED BY the end-of-text
+id, so the column's flat values buffer is already the causal-LM token stream with separators.
+meta.json says how it was all made; token_frequencies.npy holds how often each token id occurs in
+the train split (int64, one per id).
+
+Images for classification are the block at the end (# images):
+    python preprocess.py --images                                   # scikit-learn's digits
+    python preprocess.py --images my_photos/ --out data/photos      # one sub-folder per class
+There a row is one image, column `pixels` (S*S*3 bytes: rows, columns, RGB) and `label` (int32);
+meta.json adds the class names and the train split's mean and std per channel.
 """
 import argparse
 import hashlib
@@ -265,13 +271,12 @@ def special_token_ids(tokenizer):
 
 class ShardWriter:
     """One split as <split>-00000.arrow, <split>-00001.arrow, ...: a new file before one would pass
-    max_tokens."""
+    max_size (tokens, or images)."""
 
-    def __init__(self, out_dir, split, token_type, max_tokens):
-        self.out_dir, self.split, self.max_tokens = out_dir, split, max_tokens
-        self.schema = pa.schema([("input_ids", pa.list_(token_type))])
-        self.files, self.documents, self.tokens = [], 0, 0
-        self.writer, self.tokens_in_file = None, 0
+    def __init__(self, out_dir, split, schema, max_size):
+        self.out_dir, self.split, self.schema, self.max_size = out_dir, split, schema, max_size
+        self.files, self.rows, self.size = [], 0, 0
+        self.writer, self.size_in_file = None, 0
 
     def open_next_file(self):
         if self.writer is not None:
@@ -279,23 +284,23 @@ class ShardWriter:
         self.files.append(f"{self.split}-{len(self.files):05d}.arrow")
         # the IPC *file* format, not the stream: the trainer memory-maps it and jumps to any batch
         self.writer = pa.ipc.new_file(str(self.out_dir / self.files[-1]), self.schema)
-        self.tokens_in_file = 0
+        self.size_in_file = 0
 
-    def write(self, rows, row_lengths):
+    def write(self, columns, row_sizes):
         start = 0
-        while start < len(rows):
-            room = self.max_tokens - self.tokens_in_file
-            fits = int(np.searchsorted(np.cumsum(row_lengths[start:]), room, side="right"))
-            if self.writer is None or (fits == 0 and self.tokens_in_file > 0):
+        while start < len(row_sizes):
+            room = self.max_size - self.size_in_file
+            fits = int(np.searchsorted(np.cumsum(row_sizes[start:]), room, side="right"))
+            if self.writer is None or (fits == 0 and self.size_in_file > 0):
                 self.open_next_file()
                 continue
-            count = max(fits, 1)  # a document longer than a whole shard gets a file of its own
-            self.writer.write_batch(
-                pa.record_batch([rows.slice(start, count)], schema=self.schema))
-            self.tokens_in_file += int(row_lengths[start:start + count].sum())
+            count = max(fits, 1)  # a row larger than a whole shard gets a file of its own
+            self.writer.write_batch(pa.record_batch(
+                [column.slice(start, count) for column in columns], schema=self.schema))
+            self.size_in_file += int(row_sizes[start:start + count].sum())
             start += count
-        self.documents += len(rows)
-        self.tokens += int(row_lengths.sum())
+        self.rows += len(row_sizes)
+        self.size += int(row_sizes.sum())
 
     def close(self):
         if self.writer is None:
@@ -320,7 +325,8 @@ def write_shards(documents, tokenizer, out_dir, val_fraction, shard_tokens):
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
     eot_id = special_token_ids(tokenizer)["eot"]
     token_dtype = np.uint16 if vocab_size <= 65536 else np.int32
-    writers = {split: ShardWriter(out_dir, split, pa.from_numpy_dtype(token_dtype), shard_tokens)
+    schema = pa.schema([("input_ids", pa.list_(pa.from_numpy_dtype(token_dtype)))])
+    writers = {split: ShardWriter(out_dir, split, schema, shard_tokens)
                for split in ("train", "val")}
     token_counts, text_bytes = np.zeros(vocab_size, np.int64), 0
     # encode_batch_fast spreads a batch over all cores and skips the character offsets we never use;
@@ -334,7 +340,7 @@ def write_shards(documents, tokenizer, out_dir, val_fraction, shard_tokens):
         for split, in_split in (("train", [not v for v in in_val]), ("val", in_val)):
             rows, lengths, values = to_rows(list(itertools.compress(id_lists, in_split)), eot_id,
                                             token_dtype)
-            writers[split].write(rows, lengths)
+            writers[split].write([rows], lengths)
             if split == "train":
                 token_counts += np.bincount(values, minlength=vocab_size)
         text_bytes += sum(document_bytes for _, _, document_bytes in chunk)
@@ -342,7 +348,7 @@ def write_shards(documents, tokenizer, out_dir, val_fraction, shard_tokens):
         writer.close()
     return {"vocab_size": vocab_size, "token_dtype": np.dtype(token_dtype).name,
             "text_bytes": text_bytes,
-            "splits": {split: {"files": w.files, "documents": w.documents, "tokens": w.tokens}
+            "splits": {split: {"files": w.files, "documents": w.rows, "tokens": w.size}
                        for split, w in writers.items()},
             "token_counts": token_counts}
 
@@ -373,9 +379,12 @@ def parse_args():
     add("--shard-tokens", type=int, metavar="N", default=100_000_000,
         help="max tokens per shard (%(default)s)")
     add("--force", action="store_true", help="rebuild even if the output exists")
+    add_image_options(add)  # images
     # one line, not the usage text
     parser.error = lambda message: die(f"{message} -> see: preprocess.py --help")
-    return parser.parse_args()
+    args = parser.parse_args()
+    check_image_options(parser, args)  # images
+    return args
 
 
 def read_data_config(config_arg):
@@ -465,6 +474,8 @@ def move_into_place(new_dir, out):
 
 def main():
     args = parse_args()
+    if args.images is not None:  # images
+        return build_images(args)  # images
     data_config = read_data_config(args.config)
     out = Path(args.out or data_config["dir"])
     vocab_size = args.vocab_size if args.vocab_size is not None else data_config["vocab_size"]
@@ -587,6 +598,486 @@ def main():
               f"tokens (fewer than {TINY_VAL_DOCUMENTS} documents or {TINY_VAL_TOKENS:,} tokens), "
               f"so its loss says little -> raise --val-fraction (now {val_fraction}) or give more "
               "text", file=sys.stderr)
+
+
+# ============================================================================== images: begin
+# Images for classification, from an image folder (one sub-folder per class), Hugging Face Parquet
+# or Arrow files, or without a source scikit-learn's handwritten digits. Read build_images() first.
+# Delete this block and the lines tagged # images: the text path stays.
+
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")
+IMAGE_DEFAULTS = {"image_size": 224, "val_fraction": 0.1, "workers": None}
+# one worker: 1,797 tiny images decode in less time than a pool takes to start
+DIGITS_DEFAULTS = {"out": "data/digits", "image_size": 32, "val_fraction": 0.2, "workers": 1}
+# the pixels of one row must fit the 32-bit width of Arrow's fixed-size binary
+MAX_IMAGE_SIZE = 26_754
+SHARD_IMAGES, SHARD_BYTES = 4096, 256_000_000
+# how a file or folder name says its split (HF: train-00000-of-00001.parquet, validation/...)
+SPLIT_WORDS = {"train": "train", "val": "val", "valid": "val", "validation": "val", "test": "test"}
+
+
+def add_image_options(add):
+    add("--images", nargs="?", const="", metavar="SOURCE",
+        help="images instead of text: a folder of class sub-folders, Parquet/Arrow files in "
+             "Hugging Face's layout, or nothing for scikit-learn's digits (into data/digits)")
+    add("--image-size", type=int, metavar="N",
+        help=f"shorter side resized to N, then the centre N x N kept "
+             f"({IMAGE_DEFAULTS['image_size']}; digits {DIGITS_DEFAULTS['image_size']})")
+    add("--workers", type=int, metavar="K", help="decoding processes (all cores; digits 1)")
+
+
+def check_image_options(parser, args):
+    """Text options with --images, or image options without it: a mistake, said in one line."""
+    if args.images is None:
+        names, fix = ["image_size", "workers"], "add --images SOURCE, or leave it out"
+    else:
+        names = ["input", "config", "vocab_size", "tokenizer", "ext", "field", "column",
+                 "shard_tokens"]
+        fix = "leave it out: it is an option of the text path"
+    given = [name for name in names if getattr(args, name) != parser.get_default(name)]
+    if given:
+        option = "--" + given[0].replace("_", "-")
+        die(f"{option} does not go {'without' if args.images is None else 'with'} --images "
+            f"-> {fix}")
+
+
+def build_images(args):
+    """main() for images: options, the source, the up-to-date check, the shards and meta.json in a
+    temporary directory, renamed into place."""
+    try:
+        import PIL  # noqa: F401  (here, so that the text path runs without it)
+    except ImportError:
+        die("Pillow is not installed -> pip install Pillow")
+    digits = not args.images
+    defaults = DIGITS_DEFAULTS if digits else IMAGE_DEFAULTS
+    size = args.image_size if args.image_size is not None else defaults["image_size"]
+    val_fraction = (args.val_fraction if args.val_fraction is not None
+                    else defaults["val_fraction"])
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    workers = next(k for k in (args.workers, defaults["workers"], cpus) if k is not None)
+    if not 1 <= size <= MAX_IMAGE_SIZE:
+        die(f"--image-size {size} is not between 1 and {MAX_IMAGE_SIZE} "
+            "-> pass e.g. --image-size 224")
+    if workers < 1:
+        die(f"--workers {workers} is not positive -> pass e.g. --workers {cpus}, or leave it out")
+    if not 0 <= val_fraction <= 1:
+        die(f"val fraction {val_fraction} is not between 0 and 1 -> pass e.g. --val-fraction 0.1")
+    if not digits and not args.out:
+        die(f"--images {args.images} needs --out -> pass e.g. --out data/{Path(args.images).name}")
+    out = Path(args.out or DIGITS_DEFAULTS["out"])
+    source = digits_source() if digits else path_source(Path(args.images))
+    if len(source["classes"]) < 2:  # a classifier with one class learns nothing
+        die(f"{source['description']}: one class only ({source['classes'][0]}) -> give it two or "
+            "more classes: a sub-folder, or a label, for each")
+    if source["split_given"] and args.val_fraction is not None:
+        print(f"note: the source gives the split ({source['split_given']}): --val-fraction unused")
+    options = {"kind": "images", "image_size": size,
+               "val_fraction": None if source["split_given"] else val_fraction}
+    blob = json.dumps({"format_version": FORMAT_VERSION, "identity": source["identity"],
+                       **options}, sort_keys=True)
+    input_fingerprint = hashlib.sha256(blob.encode()).hexdigest()
+    if is_up_to_date(out, input_fingerprint, args.force):
+        print(f"{out} is up to date (same inputs); --force to rebuild")
+        return
+
+    remove_leftovers(out)
+    temp_dir = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+    try:
+        start_time = time.perf_counter()
+        temp_dir.mkdir(parents=True)
+        result = write_image_shards(source, temp_dir, size, val_fraction, workers)
+        seconds = time.perf_counter() - start_time
+        meta = {"format_version": FORMAT_VERSION, "kind": "images", "image_size": size,
+                "channels": 3, "classes": source["classes"], "mean": result["mean"],
+                "std": result["std"], "splits": result["splits"], "skipped": result["skipped"],
+                "source": source["description"], "fingerprint": input_fingerprint}
+        # last: its presence means complete
+        (temp_dir / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        move_into_place(temp_dir, out)
+    except OSError as error:  # --out below a file, a full disk: keep nothing
+        die(f"{error.strerror}: {error.filename} -> check that the inputs are readable and that "
+            f"{out.parent} is a writable directory with room to spare")
+    finally:
+        shutil.rmtree(temp_dir, ignore_errors=True)  # after a failure; after success it is gone
+
+    splits = result["splits"]
+    images = splits["train"]["images"] + splits["val"]["images"]
+    print(f"{out}: {splits['train']['images']:,} train / {splits['val']['images']:,} val images "
+          f"of {size}x{size}, {len(source['classes'])} classes, in {seconds:.1f} s "
+          f"({images / max(seconds, 1e-9):.0f} images/s, {workers} worker{'s' * (workers > 1)})")
+    if result["upsampled"] and not digits:
+        print(f"note: {result['upsampled']:,} images smaller than {size} px on their shorter side "
+              "were upsampled")
+    if splits["val"]["images"] == 0:
+        print("warning: the val split is empty: no images to measure a validation accuracy on -> "
+              + ("add images to the source's val split" if source["split_given"]
+                 else f"raise --val-fraction (now {val_fraction}), e.g. to 0.1"), file=sys.stderr)
+
+
+# ---- images: the sources, each a dict whose items are (key, label, split or None, what to decode)
+
+def path_source(given):
+    if given.is_file():
+        if given.suffix.lower() not in COLUMNAR_SUFFIXES:
+            die(f"{given} is not a folder, .parquet or .arrow file -> pass a folder with one "
+                "sub-folder of images per class, or Parquet/Arrow files (unpack archives first)")
+        return table_source(given.parent, [given.name])
+    if not given.is_dir():
+        die(f"input {given} does not exist -> check the path")
+    found = files_under(given, IMAGE_SUFFIXES + COLUMNAR_SUFFIXES)
+    images = [relpath for relpath in found if relpath.lower().endswith(IMAGE_SUFFIXES)]
+    if images:
+        return folder_source(given, images)
+    if found:
+        return table_source(given, found)
+    die(f"no images ({' '.join(IMAGE_SUFFIXES)}) and no Parquet/Arrow files in {given} -> pass a "
+        "folder with one sub-folder of images per class, or Hugging Face Parquet files")
+
+
+def files_under(root, suffixes):
+    """Paths relative to root of the files with these suffixes, sorted; hidden parts skipped (so
+    .ipynb_checkpoints is no class), links followed (a dataset is often a tree of links)."""
+    found = []
+    for directory, subdirectories, names in os.walk(root, followlinks=True):
+        subdirectories[:] = [name for name in subdirectories if not name.startswith(".")]
+        relative = Path(directory).relative_to(root).as_posix()
+        prefix = "" if relative == "." else relative + "/"
+        found += [prefix + name for name in names
+                  if not name.startswith(".") and name.lower().endswith(suffixes)]
+    return sorted(found)
+
+
+def folder_source(root, relpaths):
+    """An image folder: class = the sub-folder (under train/ if there is one), sorted by name; a
+    train/ beside val/ (or validation/, test/) gives the split, else a hash of each path does."""
+    folders = {p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")}
+    val_name = next((name for name in ("val", "validation", "test") if name in folders), None)
+    if "train" in folders and val_name:
+        trees = {"train/": "train", f"{val_name}/": "val"}
+    else:
+        trees = {"train/" if "train" in folders else "": None}
+    class_root = root / next(iter(trees))
+    classes = sorted(p.name for p in class_root.iterdir()
+                     if p.is_dir() and not p.name.startswith("."))
+    if not classes:
+        die(f"{class_root} has no class sub-folders -> put each class's images in a folder named "
+            f"after it: {class_root / 'CLASS' / 'IMAGE.jpg'}")
+    label_of = {name: label for label, name in enumerate(classes)}
+    items, counts = [], Counter()
+    for relpath in relpaths:
+        tree = next((tree for tree in trees if relpath.startswith(tree)), None)
+        parts = relpath[len(tree):].split("/") if tree is not None else []
+        if len(parts) < 2:  # a loose file beside the class folders, or under test/ beside val/
+            continue
+        if parts[0] not in label_of:
+            die(f"{root / tree / parts[0]} is no class of {class_root} -> give every class a "
+                f"folder in {class_root}, or move this one out")
+        items.append((relpath, label_of[parts[0]], trees[tree], str(root / relpath)))
+        counts[parts[0]] += relpath.startswith(next(iter(trees)))
+    empty = [name for name in classes if not counts[name]]
+    if empty:
+        die(f"class folder {class_root / empty[0]} holds no images ({' '.join(IMAGE_SUFFIXES)})"
+            + (f", nor do {len(empty) - 1} more" if len(empty) > 1 else "")
+            + " -> add images to it, or remove it")
+    # the files' sizes and times: a changed image makes a rebuild, as in the text path
+    digest = hashlib.sha256(str(root.resolve()).encode())
+    for relpath, _, _, path in items:
+        try:
+            stat = os.stat(path)
+            digest.update(f"{relpath}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+        except OSError:  # a broken link: skipped and counted when it fails to decode
+            digest.update(f"{relpath}\0unreadable\n".encode())
+    return {"classes": classes, "items": items, "total": len(items),
+            "split_given": " and ".join(trees) if len(trees) == 2 else None,
+            "identity": digest.hexdigest(),
+            "description": f"{root}: image folder, {len(items):,} images in {len(classes)} classes"}
+
+
+def split_word(relpath):
+    import re
+    words = re.split(r"[^a-z]+", relpath.lower())
+    return next((SPLIT_WORDS[word] for word in words if word in SPLIT_WORDS), None)
+
+
+def table_source(root, relpaths):
+    """Parquet or Arrow files as Hugging Face datasets writes them: an image column of {bytes, path}
+    structs (or plain bytes), a label column of class ids or names. File names give the split."""
+    import pyarrow.compute as pc
+    tables = []
+    for relpath in relpaths:
+        path = root / relpath
+        try:
+            if path.suffix.lower() == ".parquet":
+                schema = pq.ParquetFile(path).schema_arrow
+            else:
+                schema = open_arrow_table(path).schema
+        except (pa.ArrowException, OSError) as error:
+            die(f"cannot read {path}: {error} -> check that it is a valid Parquet or Arrow file")
+        tables.append((path, relpath, schema))
+    path, _, schema = tables[0]
+    image_column = find_image_column(schema)
+    label_column = next((name for name in ("label", "labels") if name in schema.names), None)
+    if image_column is None:
+        die(f"{path} has no image column (a struct of bytes and path, or binary; it has "
+            f"{', '.join(schema.names)}) -> store the encoded images in a column named image")
+    if label_column is None:
+        die(f"{path} has no label column 'label' or 'labels' (it has {', '.join(schema.names)}) "
+            "-> rename the column of class ids or names to label")
+    label_type = schema.field(label_column).type
+    if not (pa.types.is_integer(label_type) or pa.types.is_string(label_type)
+            or pa.types.is_large_string(label_type)):
+        die(f"label column {label_column!r} of {path} is {label_type}, not integers or strings "
+            "-> store class ids (int) or class names (string) in it")
+    for path, _, other in tables[1:]:
+        if image_column not in other.names or label_column not in other.names or \
+                other.field(image_column).type != schema.field(image_column).type or \
+                other.field(label_column).type != label_type:
+            die(f"{path} has other columns than {tables[0][0]} -> pass files of one dataset")
+
+    # HF's own file names: validation (else test) is the val split, if there is one
+    words = [split_word(relpath) for _, relpath, _ in tables]
+    val_word = "val" if "val" in words else "test" if "test" in words else None
+    used = [(path, relpath, ("val" if word == val_word else "train") if val_word else None)
+            for (path, relpath, _), word in zip(tables, words)
+            if word not in ("val", "test") or word == val_word]
+    labels = pa.chunked_array([read_column(path, label_column) for path, _, _ in used], label_type)
+    if len(labels) == 0:
+        die(f"the files in {root} have no rows -> pass files that hold images")
+    if labels.null_count:
+        die(f"{labels.null_count:,} rows have no label in {root} -> drop them first")
+    if pa.types.is_integer(label_type):
+        lowest, highest = pc.min(labels).as_py(), pc.max(labels).as_py()
+        classes = class_names(schema, label_column) or [str(label) for label in range(highest + 1)]
+        if lowest < 0:
+            die(f"{pc.sum(pc.less(labels, 0)).as_py():,} rows in {root} have a negative label, "
+                f"e.g. {lowest} (HF's mark of no label) -> drop them, or pass only labelled splits")
+        if highest >= len(classes):
+            die(f"label {highest} in {root} has no name among the {len(classes)} class names in "
+                "the files' metadata -> fix the names or the labels")
+        label_of = {label: label for label in range(len(classes))}
+    else:
+        classes = sorted(pc.unique(labels).to_pylist())
+        label_of = {name: label for label, name in enumerate(classes)}
+    counts = np.bincount([label_of[label] for label in labels.to_pylist()],
+                         minlength=len(classes))
+    if not counts.all():
+        die(f"class {classes[int(np.argmin(counts))]!r} has no images in {root} "
+            f"({int((counts == 0).sum())} such classes) -> drop it from the class names")
+    if val_word == "val" and "test" in words:
+        print("note: the test files are left out: validation files give the val split")
+    identity = [[str(path.resolve()), path.stat().st_size, path.stat().st_mtime_ns]
+                for path, _, _ in used]
+    suffixes = "/".join(sorted({path.suffix for path, _, _ in used}))
+    return {"classes": classes, "items": table_items(used, image_column, label_column, label_of),
+            "total": len(labels), "split_given": "file names" if val_word else None,
+            "identity": identity,
+            "description": f"{root}: {len(used)} {suffixes} files, {len(labels):,} images in "
+                           f"{len(classes)} classes"}
+
+
+def find_image_column(schema):
+    """By type, a struct with bytes (HF's Image feature); else image/img or the only binary one."""
+    binary = [field.name for field in schema if pa.types.is_binary(field.type)
+              or pa.types.is_large_binary(field.type)]
+    for field in schema:
+        if pa.types.is_struct(field.type) and field.type.get_field_index("bytes") >= 0:
+            return field.name
+    named = [name for name in ("image", "img") if name in binary]
+    return named[0] if named else binary[0] if len(binary) == 1 else None
+
+
+def class_names(schema, label_column):
+    """The names HF datasets keeps for a ClassLabel column in the schema's metadata, or None."""
+    try:
+        features = json.loads(schema.metadata[b"huggingface"])["info"]["features"]
+        return [str(name) for name in features[label_column]["names"]]
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def read_column(path, name):
+    if path.suffix.lower() == ".parquet":
+        return pq.read_table(path, columns=[name]).column(0).combine_chunks()
+    return open_arrow_table(path).column(name).combine_chunks()
+
+
+def table_items(used, image_column, label_column, label_of):
+    """Rows in record batches: a Parquet file larger than memory is fine."""
+    for path, relpath, split in used:
+        if path.suffix.lower() == ".parquet":
+            batches = pq.ParquetFile(path).iter_batches(batch_size=256,
+                                                        columns=[image_column, label_column])
+        else:
+            batches = open_arrow_table(path).select([image_column, label_column]).to_batches(256)
+        row_index = 0
+        for batch in batches:
+            for image, label in zip(batch.column(0).to_pylist(), batch.column(1).to_pylist()):
+                data = image.get("bytes") if isinstance(image, dict) else image
+                yield f"{relpath}:{row_index}", label_of[label], split, data
+                row_index += 1
+
+
+def digits_source():
+    """scikit-learn's 1,797 digits: the file load_digits() reads, read without importing
+    scikit-learn, which (with SciPy) takes longer than the whole build."""
+    import importlib.metadata
+    import importlib.util
+    spec = importlib.util.find_spec("sklearn")
+    if spec is None:
+        die("scikit-learn is not installed (--images without a path means its bundled digits) "
+            "-> pip install scikit-learn, or pass --images PATH")
+    version = importlib.metadata.version("scikit-learn")
+    csv = Path(spec.submodule_search_locations[0], "datasets", "data", "digits.csv.gz")
+    if csv.is_file():
+        table = np.loadtxt(csv, delimiter=",")  # 64 pixels, then the digit, a row per image
+        images, target = table[:, :-1].reshape(-1, 8, 8), table[:, -1].astype(int)
+    else:  # another scikit-learn keeps it elsewhere
+        from sklearn.datasets import load_digits
+        digits = load_digits()
+        images, target = digits.images, digits.target
+    pixels = np.round(images * (255 / 16)).astype(np.uint8)  # 17 ink levels, 0..16
+    items = [(f"digits:{index}", int(label), None, image)
+             for index, (image, label) in enumerate(zip(pixels, target))]
+    return {"classes": [str(digit) for digit in range(10)], "items": items, "total": len(items),
+            "split_given": None, "identity": f"scikit-learn {version} load_digits",
+            "description": f"scikit-learn {version} load_digits: {len(items):,} 8x8 grayscale "
+                           "scans of handwritten digits, upsampled"}
+
+
+# ---- images: decode in a process pool, write shards ----------------------------------------------
+
+def decode_image(task):
+    """(pixels, channel sums, channel sums of squares, shorter side) of one image, as the trainer
+    reads them: RGB, the shorter side resized to size (bicubic), the centre size x size; or the
+    reason it does not decode."""
+    import io
+    from PIL import Image
+    data, size = task
+    if data is None:
+        return "no image data"
+    try:
+        if isinstance(data, np.ndarray):
+            image = Image.fromarray(data)
+        else:
+            image = Image.open(io.BytesIO(data) if isinstance(data, bytes) else data)
+        with image:
+            image.load()
+            rgb = to_rgb(image)
+    except Image.UnidentifiedImageError:
+        return "not an image Pillow reads"
+    except Exception as error:  # Pillow raises many kinds for a bad file
+        return f"{type(error).__name__}: {error}"
+    width, height = rgb.size
+    new_size = (size, size * height // width) if width <= height else \
+        (size * width // height, size)
+    resized = rgb.resize(new_size, Image.Resampling.BICUBIC)
+    left, top = round((new_size[0] - size) / 2), round((new_size[1] - size) / 2)
+    pixels = np.asarray(resized.crop((left, top, left + size, top + size)))
+    # from histograms: exact integers, and many times faster than sums over the pixel axis
+    counts = np.stack([np.bincount(pixels[..., channel].ravel(), minlength=256)
+                       for channel in range(3)])
+    levels = np.arange(256, dtype=np.int64)
+    return pixels.tobytes(), counts @ levels, counts @ (levels * levels), min(width, height)
+
+
+def to_rgb(image):
+    """Every mode as RGB: transparency composited on white, as a viewer shows it on a white page;
+    16-bit grey scaled to 8 bits (convert() would clip it); CMYK without its ICC profile."""
+    from PIL import Image
+    if image.mode.startswith("I;16"):
+        image = Image.fromarray((np.asarray(image).astype(np.uint32) >> 8).astype(np.uint8))
+    if image.has_transparency_data:
+        rgba = image.convert("RGBA")
+        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(white, rgba).convert("RGB")
+    return image.convert("RGB")
+
+
+def decoded_chunks(items, size, workers):
+    """(items, decode_image results) chunk by chunk, in order; with a pool, the next chunk decodes
+    while this one is written, and at most two are in memory."""
+    import multiprocessing
+    import signal
+    chunk_images = max(256, 16 * workers)
+    chunks_of_items = iter(lambda: list(itertools.islice(items, chunk_images)), [])
+    if workers == 1:
+        for chunk in chunks_of_items:
+            yield chunk, [decode_image((data, size)) for _, _, _, data in chunk]
+        return
+    # spawn, not fork: threads run here already (pyarrow's allocator, numpy's BLAS), and a fork
+    # would copy their locks in whatever state they are
+    context = multiprocessing.get_context("spawn")
+    # Ctrl-C goes to the whole process group: the workers leave it to this process
+    with context.Pool(workers, initializer=signal.signal,
+                      initargs=(signal.SIGINT, signal.SIG_IGN)) as pool:
+        pending = None
+        for chunk in chunks_of_items:
+            tasks = [(data, size) for _, _, _, data in chunk]
+            submitted = chunk, pool.map_async(decode_image, tasks,
+                                              chunksize=max(1, len(tasks) // (4 * workers)))
+            if pending:
+                yield pending[0], pending[1].get()
+            pending = submitted
+        if pending:
+            yield pending[0], pending[1].get()
+
+
+def write_image_shards(source, out_dir, size, val_fraction, workers):
+    """Decode the source's images into train/val shards; return what meta.json holds of them."""
+    row_bytes = size * size * 3
+    schema = pa.schema([("pixels", pa.binary(row_bytes)), ("label", pa.int32())])
+    rows_per_shard = max(1, min(SHARD_IMAGES, SHARD_BYTES // row_bytes))
+    writers = {split: ShardWriter(out_dir, split, schema, rows_per_shard)
+               for split in ("train", "val")}
+    sums, squares = np.zeros(3, np.int64), np.zeros(3, np.int64)
+    skipped, upsampled, done = [], 0, 0
+    start_time = last_print = time.perf_counter()
+    for chunk, results in decoded_chunks(iter(source["items"]), size, workers):
+        rows = {"train": ([], []), "val": ([], [])}
+        for (key, label, split, _), result in zip(chunk, results):
+            if isinstance(result, str):
+                skipped.append((key, result))
+                continue
+            pixels, channel_sums, channel_squares, shorter_side = result
+            split = split or ("val" if is_val(key, val_fraction) else "train")
+            rows[split][0].append(pixels)
+            rows[split][1].append(label)
+            upsampled += shorter_side < size
+            if split == "train":
+                sums += channel_sums
+                squares += channel_squares
+        for split, (pixels, labels) in rows.items():
+            if labels:
+                writers[split].write([pa.array(pixels, pa.binary(row_bytes)),
+                                      pa.array(labels, pa.int32())], np.ones(len(labels), int))
+        done += len(chunk)
+        now = time.perf_counter()
+        if now - last_print >= PROGRESS_EVERY_S:
+            last_print, speed = now, done / (now - start_time)
+            print(f"decode: {done:,}/{source['total']:,} images  "
+                  f"{100 * done / source['total']:.0f}%  {speed:.0f} images/s  "
+                  f"ETA {(source['total'] - done) / speed:.0f} s", file=sys.stderr)
+    for writer in writers.values():
+        writer.close()
+
+    train_images = writers["train"].rows
+    if train_images == 0:  # a trainer could not take one step
+        reason = (f"no image of it decodes (first {skipped[0][0]}: {skipped[0][1]})"
+                  if skipped else f"--val-fraction {val_fraction} holds out everything")
+        die(f"no images for the train split: {reason} -> pass images that Pillow reads, "
+            "or a --val-fraction below 1")
+    if skipped:
+        print(f"note: skipped {len(skipped):,} of {done:,} files that do not decode: "
+              + ", ".join(f"{key} ({reason})" for key, reason in skipped[:3])
+              + (", ..." if len(skipped) > 3 else ""))
+    pixel_count = train_images * size * size
+    mean = sums / (pixel_count * 255)
+    std = np.sqrt(np.maximum(squares / (pixel_count * 255 ** 2) - mean ** 2, 0))
+    return {"mean": mean.tolist(), "std": std.tolist(),
+            "splits": {split: {"files": w.files, "images": w.rows} for split, w in writers.items()},
+            "skipped": {"count": len(skipped), "examples": [key for key, _ in skipped[:5]]},
+            "upsampled": upsampled}
+# ============================================================================== images: end
 
 
 if __name__ == "__main__":

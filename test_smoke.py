@@ -26,6 +26,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from PIL import Image
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 REPO = Path(__file__).resolve().parent
@@ -2613,8 +2614,9 @@ def test_ddp_times_its_own_all_reduces_and_the_communication_backward_did_not_hi
 # ----------------------------------------------------------------------------- the scripts' form
 
 # Each optional part: its tag, and the name of its block at the end of the file (MLM's stands by the data).
-OPTIONAL = {"MLM": "MLM", "metrics": "metrics", "tiered": "tiered", "FAULT": "faults"}
-OPTIONAL_IN = {"train_ddp.py": ["MLM", "metrics", "tiered", "FAULT"], "train_fsdp.py": ["MLM", "metrics", "FAULT"]}
+OPTIONAL = {"MLM": "MLM", "metrics": "metrics", "tiered": "tiered", "FAULT": "faults", "images": "images"}
+OPTIONAL_IN = {"train_ddp.py": ["MLM", "metrics", "tiered", "FAULT"], "train_fsdp.py": ["MLM", "metrics", "FAULT"],
+               "preprocess.py": ["images"]}
 # What train_fsdp.py defines differently from train_ddp.py: FSDP's own; every other function, class and
 # constant both files define must be the same source (train_ddp.py's lines tagged # tiered left out).
 FSDP_OWN = {"main", "train_step", "save_checkpoint", "load_weights", "weights_are_finite", "CHECKPOINT_FILES",
@@ -2657,27 +2659,27 @@ def test_the_four_scripts_pass_the_linter_lines_of_100_characters_at_most():
     assert 'line-length = 100' in (REPO / "pyproject.toml").read_text()
 
 
-@pytest.mark.parametrize("trainer", TRAINERS)
-def test_each_optional_part_is_one_block_with_few_call_sites_and_deleting_it_leaves_valid_code(trainer, tmp_path):
+@pytest.mark.parametrize("script", [*TRAINERS, "preprocess.py"])
+def test_each_optional_part_is_one_block_with_few_call_sites_and_deleting_it_leaves_valid_code(script, tmp_path):
     """The promise of the docstrings: delete a part's block and its tagged lines and the rest still holds
     together (no name left undefined or unused, no empty block). The fenced parts reach the core through at
     most four tagged lines; MLM, half of what the trainers teach, through more."""
-    source = (REPO / trainer).read_text()
-    for tag in OPTIONAL_IN[trainer]:
+    source = (REPO / script).read_text()
+    for tag in OPTIONAL_IN[script]:
         block = OPTIONAL[tag]
-        assert len(re.findall(rf"^# =+ {block}: begin", source, re.MULTILINE)) == 1, (trainer, tag)
+        assert len(re.findall(rf"^# =+ {block}: begin", source, re.MULTILINE)) == 1, (script, tag)
         begin, end = source.index(f"{block}: begin"), source.index(f"{block}: end")
         outside = source[:begin] + source[end:]
         call_sites = [line for line in outside.splitlines() if tagged(line, tag)]
         if tag != "MLM":
-            assert 1 <= len(call_sites) <= 4, (trainer, tag, call_sites)
+            assert 1 <= len(call_sites) <= 4, (script, tag, call_sites)
             assert source.rindex(": begin") >= begin, "the fenced blocks stand at the end of the file"
-        stripped = tmp_path / f"{tag}_{trainer}"
+        stripped = tmp_path / f"{tag}_{script}"
         stripped.write_text(without(source, tag))
         result = ruff(stripped, select="E1,E9,F")  # syntax, indentation, undefined and unused names
         assert result.returncode == 0, (tag, result.stdout[-3000:])
-    assert "tiered" not in OPTIONAL_IN[trainer] or "class TieredEmbedding" in source
-    if trainer == "train_fsdp.py":  # nothing that cannot run under FSDP
+    assert "tiered" not in OPTIONAL_IN[script] or "class TieredEmbedding" in source
+    if script == "train_fsdp.py":  # nothing that cannot run under FSDP
         for name in ["TieredEmbedding", "InlineReducer", "NaiveReducer", "DistributedDataParallel",
                      "bf16_allreduce_hook", "# tiered"]:
             assert name not in source, name
@@ -2802,6 +2804,344 @@ dist.destroy_process_group()
     results = [json.loads(line.split(" ", 1)[1]) for line in result.stdout.splitlines() if line.startswith("RESULT")]
     assert [r["scale"] for r in results] == [512.0, 512.0], results  # halved on both ranks
     assert all(r["unchanged"] for r in results), results  # and the step skipped on both
+
+
+# ----------------------------------------------------------------------------- images: preprocess.py
+
+IMAGE_CLASSES = ["cat", "dog"]
+SUFFIX_OF_MODE = {"RGB": ".jpg", "L": ".png", "P": ".gif", "RGBA": ".png"}
+
+
+def make_image_folder(root, trees=("train", "val"), per_class=(8, 3)):
+    """Two classes of small images (16 to 40 px a side) in the four modes datasets hold most (RGBA
+    with random alpha), plus a corrupt .jpg and a .txt in the first tree; returns the good files' paths
+    relative to root, sorted."""
+    rng = np.random.default_rng(0)
+    relpaths = []
+    for tree, count in zip(trees, per_class):
+        for name in IMAGE_CLASSES:
+            (root / tree / name).mkdir(parents=True)
+            for i in range(count):
+                width, height = (int(n) for n in rng.integers(16, 41, 2))
+                rgba = Image.fromarray(rng.integers(0, 256, (height, width, 4), dtype=np.uint8))
+                mode = list(SUFFIX_OF_MODE)[i % 4]
+                relpath = Path(tree, name, f"{i:03d}{SUFFIX_OF_MODE[mode]}").as_posix()
+                if mode == "P":
+                    rgba.convert("RGB").quantize(64).save(root / relpath)
+                else:
+                    (rgba if mode == "RGBA" else rgba.convert(mode)).save(root / relpath)
+                relpaths.append(relpath)
+    (root / trees[0] / "cat" / "broken.jpg").write_bytes(b"\xff\xd8\xff\xe0 cut short")
+    (root / trees[0] / "cat" / "notes.txt").write_text("not an image")
+    return sorted(relpaths)
+
+
+def pillow_reference(path, size):
+    """What the trainer must get for one file, with Pillow alone: on white, the shorter side to size
+    (bicubic), the centre size x size."""
+    with Image.open(path) as image:
+        rgba = image.convert("RGBA")
+    rgb = Image.alpha_composite(Image.new("RGBA", rgba.size, "white"), rgba).convert("RGB")
+    width, height = rgb.size
+    new = (size, size * height // width) if width <= height else (size * width // height, size)
+    resized = rgb.resize(new, Image.Resampling.BICUBIC)
+    left, top = round((new[0] - size) / 2), round((new[1] - size) / 2)
+    return np.asarray(resized.crop((left, top, left + size, top + size)))
+
+
+def read_images(out, split):
+    """(pixels as N x S x S x 3 uint8, labels) of one split, checking the schema the trainer reads."""
+    meta = json.loads((out / "meta.json").read_text())
+    size = meta["image_size"]
+    pixels, labels = [], []
+    for name in meta["splits"][split]["files"]:
+        table = pa.ipc.open_file(pa.memory_map(str(out / name))).read_all()
+        assert table.schema == pa.schema([("pixels", pa.binary(size * size * 3)), ("label", pa.int32())])
+        pixels += table.column("pixels").to_pylist()
+        labels += table.column("label").to_pylist()
+    assert len(labels) == meta["splits"][split]["images"]
+    return np.frombuffer(b"".join(pixels), np.uint8).reshape(len(labels), size, size, 3), labels
+
+
+def assert_rows_are_the_files(out, split, folder, relpaths, size):
+    """The split holds exactly these files, in this order, each as Pillow resizes and crops it."""
+    pixels, labels = read_images(out, split)
+    assert labels == [IMAGE_CLASSES.index(Path(relpath).parent.name) for relpath in relpaths]
+    for row, relpath in zip(pixels, relpaths):
+        assert np.array_equal(row, pillow_reference(folder / relpath, size)), relpath
+
+
+def assert_mean_std_are_the_train_pixels(out):
+    meta = json.loads((out / "meta.json").read_text())
+    train = read_images(out, "train")[0].reshape(-1, 3) / 255
+    assert meta["mean"] == pytest.approx(train.mean(0).tolist(), rel=1e-9)
+    assert meta["std"] == pytest.approx(train.std(0).tolist(), rel=1e-9)
+
+
+def preprocess_in_process(*args):
+    """preprocess.main() in this process, as `python preprocess.py ARGS` runs it, without the imports of a
+    new interpreter. The exit code and stderr of a real process are tested by the subprocess tests."""
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with monkeypatched_argv(["preprocess.py", *map(str, args)]), contextlib.redirect_stdout(stdout), \
+            contextlib.redirect_stderr(stderr):
+        try:
+            preprocess.main()
+            code = 0
+        except SystemExit as exit_:
+            code = exit_.code
+    return subprocess.CompletedProcess(args, code, stdout.getvalue(), stderr.getvalue())
+
+
+def test_images_from_a_folder_with_train_and_val_trees_match_pillows_resize_and_crop_in_every_mode(tmp_path):
+    folder, out = tmp_path / "folder", tmp_path / "out"
+    relpaths = make_image_folder(folder)
+    result = run_preprocess("--images", folder, "--out", out, "--image-size", 16, "--workers", 2)
+    assert result.returncode == 0, result.stderr
+    notes = [line for line in result.stdout.splitlines() if line.startswith("note: skipped 1 of 23 files")]
+    assert len(notes) == 1 and "train/cat/broken.jpg" in notes[0], result.stdout
+    meta = json.loads((out / "meta.json").read_text())
+    assert sorted(meta) == sorted(["format_version", "kind", "image_size", "channels", "classes", "mean", "std",
+                                   "splits", "skipped", "source", "fingerprint"])
+    assert (meta["format_version"], meta["kind"], meta["image_size"], meta["channels"], meta["classes"]) == (
+        1, "images", 16, 3, IMAGE_CLASSES)
+    assert meta["skipped"] == {"count": 1, "examples": ["train/cat/broken.jpg"]}
+    for split in ("train", "val"):
+        expected = [relpath for relpath in relpaths if relpath.startswith(split + "/")]
+        assert len(expected) == (16 if split == "train" else 6)
+        assert_rows_are_the_files(out, split, folder, expected, 16)
+    assert_mean_std_are_the_train_pixels(out)
+    # an RGBA file (random alpha) came out on white: brighter than its own colour values
+    with Image.open(folder / "train/cat/003.png") as rgba:
+        assert rgba.mode == "RGBA"
+        colours = np.asarray(rgba)[..., :3]
+    assert read_images(out, "train")[0][3].mean() > colours.mean() + 40
+
+
+def test_images_in_one_folder_are_split_by_a_hash_of_each_path_that_adding_images_does_not_change(tmp_path):
+    folder = tmp_path / "folder"
+    relpaths = make_image_folder(folder, trees=("",), per_class=(20,))
+    for out, run_relpaths in (("before", relpaths), ("after", None)):
+        if run_relpaths is None:  # more images in each class: none of the first moves to the other split
+            for name in IMAGE_CLASSES:
+                for i in range(20, 30):
+                    Image.new("RGB", (20, 24), (i * 8, 0, 255 - i * 8)).save(folder / name / f"{i:03d}.jpg")
+            run_relpaths = sorted(relpaths + [f"{name}/{i:03d}.jpg" for name in IMAGE_CLASSES for i in range(20, 30)])
+        result = preprocess_in_process("--images", folder, "--out", tmp_path / out, "--image-size", 16,
+                                       "--val-fraction", 0.3, "--workers", 1)
+        assert result.returncode == 0, result.stderr
+        val = [relpath for relpath in run_relpaths if in_val(relpath, 0.3)]
+        train = [relpath for relpath in run_relpaths if relpath not in val]
+        assert len(val) >= 5 and len(train) >= 5
+        assert_rows_are_the_files(tmp_path / out, "train", folder, train, 16)
+        assert_rows_are_the_files(tmp_path / out, "val", folder, val, 16)
+    assert_mean_std_are_the_train_pixels(tmp_path / "after")
+
+
+@pytest.mark.parametrize("layout", ["parquet_label_names", "parquet_class_ids_named_by_hf_features",
+                                    "arrow_stream_as_hf_datasets_writes"])
+def test_images_from_hf_files_keep_their_pixels_labels_and_class_names(tmp_path, layout):
+    """The image column as datasets' Image feature stores it ({bytes, path} structs), found by its type; the
+    split from the file names; class ids named by the features in the schema's metadata."""
+    folder = tmp_path / "folder"
+    relpaths = make_image_folder(folder)
+    (tmp_path / "hub" / "data").mkdir(parents=True)
+    for split, file_split in (("train", "train"), ("val", "validation")):
+        rows = [relpath for relpath in relpaths if relpath.startswith(split + "/")]
+        if split == "train":
+            rows.insert(0, "train/cat/broken.jpg")
+        names = [Path(relpath).parent.name for relpath in rows]
+        images = [{"bytes": (folder / relpath).read_bytes(), "path": Path(relpath).name} for relpath in rows]
+        if layout == "parquet_label_names":
+            table = pa.table({"picture": images, "label": names})
+        else:  # dog = 0, cat = 1: the names, not sorting, give the order
+            table = pa.table({"picture": images, "label": [1 - IMAGE_CLASSES.index(name) for name in names]})
+            features = {"picture": {"_type": "Image"}, "label": {"names": ["dog", "cat"], "_type": "ClassLabel"}}
+            table = table.replace_schema_metadata({"huggingface": json.dumps({"info": {"features": features}})})
+        if layout.startswith("arrow"):
+            path = tmp_path / "hub" / "data" / f"{file_split}-00000-of-00001.arrow"
+            with pa.ipc.new_stream(str(path), table.schema) as writer:
+                writer.write_table(table, max_chunksize=5)
+        else:
+            pq.write_table(table, tmp_path / "hub" / "data" / f"{file_split}-00000-of-00001.parquet", row_group_size=5)
+    out = tmp_path / "out"
+    result = preprocess_in_process("--images", tmp_path / "hub", "--out", out, "--image-size", 16, "--workers", 1)
+    assert result.returncode == 0, result.stderr
+    meta = json.loads((out / "meta.json").read_text())
+    classes = IMAGE_CLASSES if layout == "parquet_label_names" else ["dog", "cat"]
+    assert meta["classes"] == classes
+    suffix = ".arrow" if layout.startswith("arrow") else ".parquet"
+    assert meta["skipped"] == {"count": 1, "examples": [f"data/train-00000-of-00001{suffix}:0"]}
+    for split in ("train", "val"):
+        expected = [relpath for relpath in relpaths if relpath.startswith(split + "/")]
+        pixels, labels = read_images(out, split)
+        assert [classes[label] for label in labels] == [Path(relpath).parent.name for relpath in expected]
+        for row, relpath in zip(pixels, expected):
+            assert np.array_equal(row, pillow_reference(folder / relpath, 16)), relpath
+    assert_mean_std_are_the_train_pixels(out)
+
+
+def test_images_without_a_source_are_sklearns_digits_in_data_digits_at_32_pixels(tmp_path):
+    from sklearn.datasets import load_digits
+    result = run([sys.executable, REPO / "preprocess.py", "--images"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    out = tmp_path / "data" / "digits"
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["classes"] == [str(digit) for digit in range(10)] and meta["image_size"] == 32
+    digits = load_digits()
+    held_out = [in_val(f"digits:{index}", 0.2) for index in range(len(digits.target))]
+    assert meta["splits"]["val"]["images"] == sum(held_out) and 300 < sum(held_out) < 420
+    assert meta["splits"]["train"]["images"] + meta["splits"]["val"]["images"] == len(digits.target) == 1797
+    pixels, labels = read_images(out, "train")
+    train = [index for index, out_of_train in enumerate(held_out) if not out_of_train]
+    assert labels == [int(digits.target[index]) for index in train]
+    for row, index in zip(pixels, train):
+        grey = Image.fromarray(np.round(digits.images[index] * 255 / 16).astype(np.uint8))
+        assert np.array_equal(row, np.asarray(grey.convert("RGB").resize((32, 32), Image.Resampling.BICUBIC)))
+    assert_mean_std_are_the_train_pixels(out)
+    assert meta["skipped"] == {"count": 0, "examples": []}
+
+
+def bad_images_args(case, tmp_path):
+    """Arguments for one foreseeable mistake with --images, its files made in tmp_path."""
+    folder = tmp_path / "folder"
+    if case == "a_missing_folder":
+        return ["--images", folder]
+    if case == "an_empty_folder":
+        folder.mkdir()
+        return ["--images", folder]
+    if case == "loose_images_without_class_folders":
+        folder.mkdir()
+        Image.new("RGB", (20, 20)).save(folder / "a.png")
+        return ["--images", folder]
+    if case == "one_class_only":
+        (folder / "cat").mkdir(parents=True)
+        Image.new("RGB", (20, 20)).save(folder / "cat" / "a.png")
+        return ["--images", folder]
+    if case == "an_empty_class_folder":
+        make_image_folder(folder, trees=("",), per_class=(2,))
+        (folder / "bird").mkdir()
+        return ["--images", folder]
+    if case == "a_val_class_that_train_lacks":
+        make_image_folder(folder, per_class=(2, 1))
+        (folder / "val" / "bird").mkdir()
+        Image.new("RGB", (20, 20)).save(folder / "val" / "bird" / "a.png")
+        return ["--images", folder]
+    if case == "no_image_decodes":
+        for name in IMAGE_CLASSES:
+            (folder / name).mkdir(parents=True)
+            (folder / name / "a.jpg").write_bytes(b"\xff\xd8\xff\xe0 cut short")
+        return ["--images", folder]
+    png = io.BytesIO()
+    Image.new("RGB", (20, 20)).save(png, format="PNG")
+    image_rows = [{"bytes": png.getvalue(), "path": "a.png"}] * 4
+    if case == "parquet_without_label_column":
+        pq.write_table(pa.table({"image": image_rows, "caption": ["a"] * 4}), tmp_path / "t.parquet")
+        return ["--images", tmp_path / "t.parquet"]
+    if case == "parquet_labels_of_floats":
+        pq.write_table(pa.table({"image": image_rows, "label": [0.0, 1.0] * 2}), tmp_path / "t.parquet")
+        return ["--images", tmp_path / "t.parquet"]
+    if case == "parquet_labels_of_minus_1":  # HF's test splits often are unlabelled
+        pq.write_table(pa.table({"image": image_rows, "label": [-1] * 4}), tmp_path / "t.parquet")
+        return ["--images", tmp_path / "t.parquet"]
+    if case == "image_size_0":
+        return ["--images", "--image-size", 0]
+    if case == "image_size_not_a_number":
+        return ["--images", "--image-size", "big"]
+    if case == "workers_0":
+        return ["--images", "--workers", 0]
+    if case == "everything_held_out":
+        return ["--images", "--val-fraction", 1]
+    if case == "a_text_option_with_images":
+        return ["--images", "--vocab-size", 300]
+    if case == "an_image_option_without_images":
+        return ["--image-size", 64]
+    raise ValueError(case)
+
+
+@pytest.mark.parametrize("case, fragment", [
+    ("a_missing_folder", "does not exist"), ("an_empty_folder", "no images"),
+    ("loose_images_without_class_folders", "has no class sub-folders"), ("one_class_only", "one class only"),
+    ("an_empty_class_folder", "bird holds no images"), ("a_val_class_that_train_lacks", "bird is no class"),
+    ("no_image_decodes", "no image of it decodes"), ("parquet_without_label_column", "has no label column"),
+    ("parquet_labels_of_floats", "not integers or strings"), ("parquet_labels_of_minus_1", "negative label"),
+    ("image_size_0", "--image-size 0 is not between"), ("image_size_not_a_number", "invalid int value: 'big'"),
+    ("workers_0", "--workers 0 is not positive"), ("everything_held_out", "--val-fraction 1.0 holds out"),
+    ("a_text_option_with_images", "--vocab-size does not go with --images"),
+    ("an_image_option_without_images", "--image-size does not go without --images")])
+def test_bad_images_input_is_one_error_line_exit_2_and_no_output(tmp_path, monkeypatch, case, fragment):
+    monkeypatch.chdir(tmp_path)  # where a default --out would go
+    # the case's own arguments come last and win: argparse keeps the last one
+    result = preprocess_in_process("--out", tmp_path / "out", "--workers", 1, *bad_images_args(case, tmp_path))
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and " -> " in lines[0], result.stderr
+    assert fragment in lines[0], lines[0]
+    assert not any(p.name.startswith(("out", "data")) for p in tmp_path.iterdir())
+
+
+def test_bad_images_input_in_a_real_process_is_one_line_without_a_traceback_and_no_output(tmp_path):
+    """Found after the pool of decoding processes started and the temporary directory was made."""
+    args = bad_images_args("no_image_decodes", tmp_path)
+    result = run_preprocess(*args, "--out", tmp_path / "out", "--workers", 2)
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith("error: no images for the train split")
+    assert "Traceback" not in result.stdout + result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["folder"]
+    without_out = run_preprocess("--images", tmp_path / "folder")
+    assert without_out.returncode == 2 and without_out.stderr.startswith("error: --images ")
+    assert "needs --out" in without_out.stderr and without_out.stderr.count("\n") == 1
+
+
+def test_images_rerun_is_noop_and_a_changed_image_needs_force(tmp_path):
+    make_image_folder(tmp_path / "folder", trees=("",), per_class=(6,))
+    out = tmp_path / "out"
+    args = ["--images", tmp_path / "folder", "--out", out, "--image-size", 16, "--workers", 1]
+    assert preprocess_in_process(*args).returncode == 0
+    before = file_state(out)
+    again = preprocess_in_process(*args[:-1], 2)  # the worker count changes nothing
+    assert again.returncode == 0 and "up to date" in again.stdout and file_state(out) == before
+    for changed_args in ([*args, "--image-size", 8], [*args, "--val-fraction", 0.5]):
+        other = preprocess_in_process(*changed_args)
+        assert other.returncode == 2 and "--force" in other.stderr and file_state(out) == before
+    Image.new("RGB", (20, 20), "red").save(tmp_path / "folder" / "cat" / "000.jpg")
+    changed = preprocess_in_process(*args)
+    assert changed.returncode == 2 and changed.stderr.startswith("error:") and "--force" in changed.stderr
+    assert file_state(out) == before
+    forced = preprocess_in_process(*args, "--force")
+    assert forced.returncode == 0, forced.stderr
+    red = np.zeros((16, 16, 3), np.uint8) + np.array([255, 0, 0], np.uint8)
+    split = "val" if in_val("cat/000.jpg", 0.1) else "train"
+    assert any(np.abs(row.astype(int) - red).max() <= 2 for row in read_images(out, split)[0])  # JPEG's error
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["folder", "out"]
+
+
+def test_killed_images_run_leaves_no_partial_output_and_the_next_run_removes_its_leftovers(tmp_path):
+    out = tmp_path / "out"
+    args = [sys.executable, "preprocess.py", "--images", "--out", out, "--image-size", "128"]
+    process = subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    temp_dir = tmp_path / f"out.tmp-{process.pid}"
+    while process.poll() is None and not (temp_dir / "train-00000.arrow").exists():
+        time.sleep(0.005)
+    process.kill()
+    process.wait()
+    if out.exists():  # it finished before the kill: then it must be complete
+        meta = json.loads((out / "meta.json").read_text())
+        assert all((out / name).exists() for split in meta["splits"].values() for name in split["files"])
+    else:
+        assert temp_dir.exists() and not (temp_dir / "meta.json").exists()
+    result = preprocess_in_process("--images", "--out", out, "--image-size", 8)
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_preprocess_with_the_images_block_deleted_still_tokenizes_text(tmp_path):
+    stripped = tmp_path / "preprocess.py"
+    stripped.write_text(without((REPO / "preprocess.py").read_text(), "images"))
+    assert "def build_images" not in stripped.read_text() and "PIL" not in stripped.read_text()
+    (tmp_path / "corpus.jsonl").write_text("".join(json.dumps({"text": f"text {i} " * 20}) + "\n" for i in range(50)))
+    result = run([sys.executable, stripped, "--input", tmp_path / "corpus.jsonl", "--out", tmp_path / "out",
+                  "--vocab-size", "300"], cwd=tmp_path)
+    assert result.returncode == 0 and (tmp_path / "out" / "meta.json").exists(), result.stderr
 
 
 # ----------------------------------------------------------------------------- bench/bench.py
