@@ -240,6 +240,7 @@ check_config() {  # the trainer validates its own config (types, unknown keys, b
   output=$(WORLD_SIZE=$WORLD_SIZE "$PYTHON" "$SCRIPT" --check "${ARGS[@]}" 2>&1) ||
     fail "config" "$(grep -m1 '^error:' <<<"$output" | sed 's/^error: //' || echo "$output" | tail -n 1)"
   DATA_DIR=$(sed -n 's/^data\.dir=//p' <<<"$output")
+  DATA_KIND=$(sed -n 's/^data\.kind=//p' <<<"$output")
   CKPT_DIR=$(sed -n 's/^checkpoint\.dir=//p' <<<"$output")
   TIMEOUT_S=$(sed -n 's/^dist\.timeout_s=//p' <<<"$output")
   report "config" "ok (collective timeout ${TIMEOUT_S}s from dist.timeout_s)"
@@ -247,14 +248,15 @@ check_config() {  # the trainer validates its own config (types, unknown keys, b
 
 check_data() {
   [ -f "$DATA_DIR/meta.json" ] && { report "data" "ok ($DATA_DIR)"; return; }
-  local override
+  local override source="--input YOUR_TEXT" kind=()
+  if [ "${DATA_KIND:-text}" = images ]; then source="--images YOUR_IMAGE_FOLDER" kind=(--images); fi
   for override in "${ARGS[@]}"; do
     case "$override" in data.dir=*|*.yaml|*.yml)
-      fail "data" "no prepared data in $DATA_DIR -> run: $PYTHON $HERE/preprocess.py --input YOUR_TEXT --out $DATA_DIR" ;;
+      fail "data" "no prepared data in $DATA_DIR -> run: $PYTHON $HERE/preprocess.py $source --out $DATA_DIR" ;;
     esac
   done
-  report "data" "preparing the default corpus into $DATA_DIR (once)"
-  "$PYTHON" "$HERE/preprocess.py" --out "$DATA_DIR" ||
+  report "data" "preparing the default ${DATA_KIND:-text} data into $DATA_DIR (once)"
+  "$PYTHON" "$HERE/preprocess.py" "${kind[@]}" --out "$DATA_DIR" ||
     fail "data" "preprocess.py failed (its error is above) -> fix it, or prepare data yourself and pass data.dir="
   report "data" "ok ($DATA_DIR)"
 }

@@ -1,6 +1,7 @@
 """Train a transformers model on many GPUs or machines with fully sharded data parallelism (FSDP2).
 
     bash launch.sh train_fsdp.py                     # every GPU here (2 CPU processes without GPUs)
+    bash launch.sh train_fsdp.py model.type=vit      # a ViT on images (the digits by default)
     torchrun --nproc_per_node 8 train_fsdp.py train.max_steps=1000 optim.lr=3e-4
 
 This is train_ddp.py with the parallelism swapped: `diff train_ddp.py train_fsdp.py` shows what FSDP
@@ -11,8 +12,9 @@ The model is built on the meta device and filled from rank 0, so it never has to
 checkpoints are sharded (torch.distributed.checkpoint): every rank writes its part, and a checkpoint
 loads on any number of ranks. Pick FSDP when the weights, gradients and AdamW state (16 bytes per
 parameter) do not fit on one GPU. Read main(), train_step(), then shard_model() and the sharded
-checkpoint after it. Optional parts go with the lines tagged for them: # MLM, and the blocks at the
-end, # metrics (TensorBoard, Prometheus, NVML) and # FAULT (fault injection for the tests).
+checkpoint after it. Optional parts go with the lines tagged for them: # MLM and # images, whose
+blocks stand by the data, and the blocks at the end, # metrics (TensorBoard, Prometheus, NVML) and
+# FAULT (fault injection for the tests).
 """
 
 import contextlib
@@ -54,6 +56,7 @@ from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, Offl
                                     fully_shard)
 from transformers import (AttentionInterface, AttentionMaskInterface, AutoConfig,
                           AutoModelForCausalLM, AutoModelForMaskedLM, PreTrainedTokenizerFast)
+from transformers import AutoModelForImageClassification  # images
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES  # MLM
 from transformers.utils import logging as transformers_logging
@@ -63,11 +66,12 @@ DEFAULTS = {
     "out_dir": "out", "export": True,
     "model": dict(type="gpt2", task="auto", pretrained="", n_layer=12, n_head=12, n_embd=768,
                   intermediate_size=0, dropout=0.0, attention="auto", tie_word_embeddings="auto",
-                  embedding_gpu_rows=0),
+                  embedding_gpu_rows=0, patch_size=0),
     "data": dict(dir="data/stdlib", vocab_size=8192, val_fraction=0.02),
     "train": dict(seq_len=1024, global_batch_size=64, micro_batch_size=32, max_steps=300,
                   precision="auto", compile="auto", seed=1337, eval_every=100, eval_batches=8,
-                  mlm_probability=0.15, pad_to_multiple=0, max_bad_steps=10),
+                  mlm_probability=0.15, pad_to_multiple=0, max_bad_steps=10, crop_padding=4,
+                  hflip=False),
     "optim": dict(lr=6e-4, min_lr=6e-5, warmup_steps=50, weight_decay=0.1, beta1=0.9, beta2=0.95,
                   eps=1e-8, grad_clip=1.0),
     "checkpoint": dict(dir="out/checkpoints", every=100, keep=2, resume="auto", async_save=False),
@@ -102,6 +106,7 @@ def main():
     if "--check" in sys.argv:  # launch.sh validates the config before it starts any process
         for key in ["data.dir", "checkpoint.dir", "checkpoint.resume", "out_dir", "dist.timeout_s"]:
             print(f"{key}={config_dict(cfg)[key]}")
+        print(f"data.kind={'images' if is_image_model(cfg) else 'text'}")  # images
         return
 
     # ----------------------------------------------------------------------- 2. distributed init
@@ -111,30 +116,29 @@ def main():
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
     torch.set_float32_matmul_precision("high")  # let fp32 matmuls use TF32 tensor cores
     log0(f"world size {world_size} ({dist.get_backend()}, {device.type}), precision {precision}, "
-         f"global batch {cfg.train.global_batch_size} sequences = {world_size} ranks x "
-         f"{micro_batches} micro-batches x {cfg.train.micro_batch_size} sequences")
+         f"global batch {cfg.train.global_batch_size} samples = {world_size} ranks x "
+         f"{micro_batches} micro-batches x {cfg.train.micro_batch_size} samples")
 
     # ----------------------------------------------------------------------------------- 3. data
     data_dir = Path(cfg.data.dir)
     meta = read_meta(data_dir)
-    task = "causal"
+    task, reader = "causal", ArrowTokens
     if cfg.model.task == "mlm" or (cfg.model.task == "auto" and is_masked_lm_type(cfg)):  # MLM
         task = "mlm"  # MLM
-    train_data, val_data = (ArrowTokens(data_dir, meta, split, task, cfg.train.seq_len)
+    task, reader = image_task(cfg, meta, task, reader)  # images
+    train_data, val_data = (reader(data_dir, meta, split, task, cfg.train.seq_len)
                             for split in ("train", "val"))
     log0(f"data {data_dir}: {task} samples train {len(train_data):,} val {len(val_data):,} "
-         f"({meta['splits']['train']['tokens']:,} train tokens)")
+         f"({train_data.summary})")
 
     # ---------------------------------------------------------------------------------- 4. model
-    padded_vocab = math.ceil(meta["vocab_size"] / 64) * 64  # as nanoGPT: matmul-friendly sizes
     use_compile = cfg.train.compile == "true" or (cfg.train.compile == "auto" and use_cuda)
     torch.manual_seed(cfg.train.seed)  # the same initial weights on every rank
-    raw_model, attention = shard_model(cfg, task, padded_vocab, meta["special_tokens"], device,
-                                       use_compile, dtype)
+    raw_model, attention = shard_model(cfg, task, meta, device, use_compile, dtype)
     flops_of = model_flops_counter(raw_model, task, attention, cfg)  # per step, for MFU
     log0(f"model {raw_model.config.model_type} ({task}), "
          f"{sum(p.numel() for p in raw_model.parameters()) / 1e6:.1f}M parameters, attention "
-         f"{attention}, vocab {meta['vocab_size']} padded to {padded_vocab}")
+         f"{attention}, {train_data.model_summary(raw_model.config)}")
     # dropout differs per rank on purpose (other data); seeded from (seed, rank): runs repeat
     torch.manual_seed(int(np.random.SeedSequence([cfg.train.seed, rank]).generate_state(1)[0]))
 
@@ -171,8 +175,7 @@ def main():
     write_metrics(run, {"kind": "start", "step": run.step, "world_size": world_size,
                         "time": time.time()})
     if run.step == 0:
-        log0(f"step 0 | validation on {cfg.train.eval_batches} global batches (the first steps "
-             "include compilation)")
+        log0("step 0 | validation (the first steps include compilation)")
         validate(model, val_data, run)
     run.stop_requested = catch_stop_signals()  # SIGTERM, SIGINT: finish the step, save, stop
     interval, batches = Interval(device), step_batches(run, run.samples_seen)
@@ -204,7 +207,7 @@ def main():
         run.metrics.close()
     stop_exporters(run.exporters)  # metrics
     if cfg.export:  # every rank sends its shards; rank 0 alone holds the whole model, in CPU memory
-        full_model = gather_full_model(raw_model, cfg, task, padded_vocab, meta["special_tokens"])
+        full_model = gather_full_model(raw_model, cfg, task, meta)
     if rank == 0 and cfg.export:
         export_final(full_model, data_dir, meta, Path(cfg.out_dir) / "final", task, cfg,
                      torch.device("cpu"))
@@ -223,8 +226,7 @@ def train_step(model, batches, optimizer, scheduler, scaler, run):
     for index, batch in enumerate(micro_batches):
         with run.parallel.sync(last=index == len(micro_batches) - 1):  # only the last reduces
             with run.autocast:
-                logits = model(input_ids=batch["input_ids"],
-                               attention_mask=batch["attention_mask"]).logits
+                logits = model(**batch["inputs"]).logits
             micro_loss = run.loss_of(logits, batch["labels"])
             micro_loss = nan_fault(micro_loss, run.step + 1)  # FAULT
             scaler.scale(micro_loss * loss_scale).backward()
@@ -269,17 +271,15 @@ def step_verdict(grad_norm, run):
 
 # ----------------------------------------------------------------------------- the parallelism
 
-def shard_model(cfg, task, padded_vocab, special, device, use_compile, param_dtype):
+def shard_model(cfg, task, meta, device, use_compile, param_dtype):
     """The model, sharded: fully_shard on each transformer block, then on the root (the embeddings,
     the final norm, the output layer). Rank 0 alone builds the whole model, in CPU memory (new
     weights from the seed, or the pretrained ones); every rank builds it again on the meta device
     (shapes, no memory), shards it and fills its shards from rank 0's: the model never has to fit on
     one GPU, and its first weights are the same on any number of ranks."""
-    source = on_rank0(lambda: build_model(cfg, task, padded_vocab, special, torch.device("cpu"))[0],
+    source = on_rank0(lambda: build_model(cfg, task, meta, torch.device("cpu"))[0],
                       share_result=False)
-    config = model_config(cfg, padded_vocab, special)
-    config.vocab_size = max(config.vocab_size, padded_vocab)  # as build_model resizes a smaller one
-    model_class = AutoModelForMaskedLM if task == "mlm" else AutoModelForCausalLM
+    config, model_class = built_config(cfg, task, meta), model_class_of(task)
     attention = choose_attention(cfg.model.attention, device, task,
                                  model_class._model_mapping.get(type(config), None))
     with torch.device("meta"):
@@ -333,16 +333,22 @@ def gradient_sync(model):
     return SimpleNamespace(sync=sync, finish=lambda: None)
 
 
-def gather_full_model(raw_model, cfg, task, padded_vocab, special):
+def built_config(cfg, task, meta):
+    """The config of build_model's model: with the vocabulary it resizes a smaller one to."""
+    config = model_config(cfg, task, meta)
+    if task != "image":
+        config.vocab_size = max(config.vocab_size, padded_vocab(meta))
+    return config
+
+
+def gather_full_model(raw_model, cfg, task, meta):
     """The whole trained model on rank 0, in CPU memory (None on the other ranks): every rank sends
     its shards one tensor at a time, so no rank holds the full model on its GPU."""
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     full_state = get_model_state_dict(raw_model, options=options)
     if dist.get_rank() != 0:
         return None
-    config = model_config(cfg, padded_vocab, special)
-    config.vocab_size = max(config.vocab_size, padded_vocab)
-    model_class = AutoModelForMaskedLM if task == "mlm" else AutoModelForCausalLM
+    config, model_class = built_config(cfg, task, meta), model_class_of(task)
     with torch.device("meta"):
         full_model = model_class.from_config(config, attn_implementation=raw_model.config
                                              ._attn_implementation, dtype=torch.float32)
@@ -361,7 +367,8 @@ CHECKPOINT_FILES = [".metadata", "train_state.pt", "checksums.json"]  # DCP writ
 # checkpoint written before the key existed had
 MODEL_KEYS = {"model.type": None, "model.task": None, "model.n_layer": None, "model.n_head": None,
               "model.n_embd": None, "model.pretrained": None, "model.intermediate_size": 0,
-              "model.tie_word_embeddings": "auto", "model.embedding_gpu_rows": 0}
+              "model.tie_word_embeddings": "auto", "model.embedding_gpu_rows": 0,
+              "model.patch_size": 0}
 LOAD_ERRORS = (OSError, RuntimeError, KeyError, ValueError, EOFError, TypeError,
                pickle.UnpicklingError)
 
@@ -377,8 +384,8 @@ def train_state(run, scheduler, scaler):
     return {"step": run.step, "samples_seen": run.samples_seen, "rng": rng_states,
             "tokens_seen": run.tokens_seen, "config": config_dict(run.cfg),
             "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
-            "data_fingerprint": run.meta.get("fingerprint"), "vocab_size": run.meta["vocab_size"],
-            "world_size": dist.get_world_size()}
+            "data_fingerprint": run.meta.get("fingerprint"), "world_size": dist.get_world_size(),
+            "vocab_size": run.meta.get("vocab_size"), "classes": run.meta.get("classes")}
 
 
 def save_checkpoint(run, optimizer, scheduler, scaler, wait=True):
@@ -552,8 +559,9 @@ def load_train_state(path, scheduler, scaler, cfg, meta):
     try:
         train_state = torch.load(path / "train_state.pt", weights_only=True)
         saved_config, this_config = train_state["config"], config_dict(cfg)
-        vocab_size = train_state.get("vocab_size", meta["vocab_size"])
-        if vocab_size != meta["vocab_size"]:
+        vocab_size = train_state.get("vocab_size", meta.get("vocab_size"))
+        check_classes(train_state, meta, path, cfg)  # images
+        if vocab_size != meta.get("vocab_size"):
             die(f"checkpoint {path} was trained on data of {vocab_size:,} tokens' vocabulary, "
                 f"{cfg.data.dir} has {meta['vocab_size']:,} -> give the data.dir it was trained "
                 "on, or start afresh in another checkpoint.dir")
@@ -767,7 +775,8 @@ RANGES = {
                      "train.eval_batches", "train.max_bad_steps", "checkpoint.keep"], (1, None)),
     **dict.fromkeys(["optim.min_lr", "optim.warmup_steps", "optim.weight_decay", "log.peak_tflops",
                      "model.intermediate_size", "model.embedding_gpu_rows", "optim.grad_clip",
-                     "train.pad_to_multiple", "checkpoint.every", "log.sample_tokens"], (0, None)),
+                     "train.pad_to_multiple", "checkpoint.every", "log.sample_tokens",
+                     "model.patch_size", "train.crop_padding"], (0, None)),
     **dict.fromkeys(["model.dropout", "optim.beta1", "optim.beta2"], (0, "below 1")),
     **dict.fromkeys(["optim.lr", "optim.eps", "dist.timeout_s", "dist.bucket_mb"],
                     ("above 0", None)),
@@ -799,6 +808,7 @@ def load_config(args, use_cuda):
     """DEFAULTS, then config.yaml beside this file (or the .yaml given first), then without a GPU
     the CPU preset, then key=value arguments; each value must have the type of its default."""
     flat, preset = flatten(DEFAULTS), dict(CPU_PRESET)
+    image_preset = dict(CPU_PRESET_IMAGES)  # images
     config_path = Path(__file__).with_name("config.yaml")
     if args and args[0].endswith((".yaml", ".yml")):
         config_path, args = Path(args[0]), args[1:]
@@ -807,8 +817,10 @@ def load_config(args, use_cuda):
     if config_path.is_file():
         tree = read_yaml(config_path)
         preset = tree.pop("cpu_preset", preset) or {}
+        image_preset = tree.pop("cpu_preset_images", image_preset) or {}  # images
         for key, value in flatten(tree).items():
             flat[key] = typed(flat, key, value, " in the config file")
+    preset.update(vit_preset(args, flat, image_preset))  # images
     for key, value in preset.items() if not use_cuda else []:
         flat[key] = typed(flat, key, value, " in cpu_preset")
     for arg in args:
@@ -892,6 +904,7 @@ def check_config(cfg, world_size):
             "at min_lr: lower it")
     if cfg.dist.reducer == "naive" and cfg.dist.grad_compression != "none":
         die("dist.reducer=naive sends fp32 gradients -> dist.reducer=inline or torch for bf16 ones")
+    cfg.data.dir = default_image_dir(cfg)  # images
     per_round = cfg.train.micro_batch_size * world_size
     if cfg.train.global_batch_size % per_round:
         nearest = max(1, round(cfg.train.global_batch_size / per_round)) * per_round
@@ -1022,10 +1035,13 @@ def read_meta(data_dir):
         version = meta.get("format_version") if isinstance(meta, dict) else None
         die(f"{path} has format version {version}, this trainer reads 1 -> rebuild with --force")
     splits, special = meta.get("splits"), meta.get("special_tokens")
-    if not (isinstance(splits, dict) and isinstance(meta.get("vocab_size"), int)
-            and all(isinstance(splits.get(s), dict) and isinstance(splits[s].get("files"), list)
-                    for s in ("train", "val"))
-            and isinstance(special, dict)
+    if not (isinstance(splits, dict) and all(isinstance(splits.get(s), dict) and
+                                             isinstance(splits[s].get("files"), list)
+                                             for s in ("train", "val"))):
+        die(f"{path} lacks splits.train/val.files -> rebuild it: {rebuild}")
+    if meta.get("kind") == "images":  # images
+        return check_image_meta(meta, path)  # images
+    if not (isinstance(meta.get("vocab_size"), int) and isinstance(special, dict)
             and all(isinstance(special.get(role), int)
                     for role in ("eot", "pad", "mask", "cls", "sep"))):
         die(f"{path} lacks splits.train/val.files, vocab_size or special_tokens (eot, pad, mask, "
@@ -1043,6 +1059,7 @@ class ArrowTokens:
     def __init__(self, data_dir, meta, split, task, seq_len):
         self.task, self.seq_len, self.vocab_size = task, seq_len, meta["vocab_size"]
         self.special = meta["special_tokens"]
+        self.summary = f"{meta['splits'][split].get('tokens', 0):,} {split} tokens"
         self.pieces, self.piece_starts, self.doc_offsets = [], [], []
         rebuild, stream_length = f"-> rebuild: python preprocess.py --out {data_dir} --force", 0
         for name in meta["splits"][split]["files"]:
@@ -1072,6 +1089,9 @@ class ArrowTokens:
 
     def __len__(self):
         return self.num_samples
+
+    def model_summary(self, config):
+        return f"vocab {self.vocab_size} padded to {config.vocab_size}"
 
     def span(self, start, length):
         """`length` tokens of the stream from `start`, across shard boundaries if need be."""
@@ -1141,6 +1161,25 @@ def global_batch_plan(position, global_batch_size, num_samples, seed, micro_batc
     return plan
 
 
+def sample_uniforms(seed, epochs, sample_ids, positions, use):
+    """A float in [0, 1) per (epoch, sample, position), broadcast against each other, for one use
+    (MLM: 0 masked?, 1 replaced by what, 2 which random token; images: 3 crop and flip): a hash of
+    (seed, epoch, sample, position, use) alone, so a sample's draw does not depend on which rank or
+    micro-batch holds it, and a micro-batch is drawn in a few vectorised operations (splitmix64)."""
+    shape = np.broadcast_shapes(np.shape(epochs), np.shape(sample_ids), np.shape(positions))
+    mixed = np.full(shape, seed, dtype=np.uint64)
+    for part in (epochs, sample_ids, np.asarray(positions) * 4 + use):
+        mixed = splitmix64(mixed ^ np.asarray(part, dtype=np.uint64))
+    return (splitmix64(mixed) >> np.uint64(11)).astype(np.float64) * 2.0**-53  # the top 53 bits
+
+
+def splitmix64(values):
+    values = values + np.uint64(0x9E3779B97F4A7C15)  # numpy's uint64 arithmetic wraps, as wanted
+    values = (values ^ (values >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    values = (values ^ (values >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return values ^ (values >> np.uint64(31))
+
+
 def step_batches(run, position):
     """This rank's micro-batches of the training step that starts at sample `position`."""
     batches = rank_batches(run.train_data, position, run.cfg.train.seed, run.cfg,
@@ -1165,12 +1204,16 @@ def rank_batches(split_data, position, shuffle_seed, cfg, world_size, rank, devi
         masked = masked_positions(cfg.train.seed, epochs, ids, np.concatenate(lengths),  # MLM
                                   split_data.seq_len, cfg.train.mlm_probability)  # MLM
         label_tokens = int(masked.sum())  # MLM
-    micro_batches = [make_micro_batch(split_data, ids, epochs, cfg, device)
+    training = shuffle_seed is not None  # validation reads in order, without augmentation
+    micro_batches = [make_micro_batch(split_data, ids, epochs, cfg, device, training)
                      for ids, epochs in plan[rank]]
     return micro_batches, sum(map(sum, lengths)), label_tokens, lengths
 
 
-def make_micro_batch(split_data, sample_ids, epochs, cfg, device):
+def make_micro_batch(split_data, sample_ids, epochs, cfg, device, training=True):
+    """A micro-batch on the device: the model's inputs and labels, and the input ids on the host."""
+    if split_data.task == "image":  # images
+        return image_micro_batch(split_data, sample_ids, epochs, cfg, device, training)  # images
     samples = [split_data.sample(int(i)) for i in sample_ids]
     if split_data.task == "causal":
         blocks = torch.from_numpy(np.stack(samples))
@@ -1183,12 +1226,13 @@ def make_micro_batch(split_data, sample_ids, epochs, cfg, device):
                  for key, value in batch.items()}
     if split_data.task == "mlm" and 0 < cfg.train.pad_to_multiple < split_data.seq_len:  # MLM
         batch = {key: dynamic_length(value) for key, value in batch.items()}  # MLM
-    return {**batch, "host_input_ids": host_input_ids}
+    labels = batch.pop("labels")
+    return {"inputs": batch, "labels": labels, "host_input_ids": host_input_ids}
 
 
 def token_loss_sum(logits, labels):
     """Summed (not mean) cross-entropy, in fp32: the caller decides what to divide by."""
-    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
                            ignore_index=IGNORE_INDEX, reduction="sum")
 
 
@@ -1240,7 +1284,7 @@ def mask_tokens(tokens, lengths, seed, epochs, sample_ids, special, vocab_size, 
     """BERT's masking of a padded micro-batch (a row of token ids per sample): inputs and labels."""
     chosen = masked_positions(seed, epochs, sample_ids, lengths, tokens.shape[1], probability)
     positions = np.arange(tokens.shape[1])
-    uniforms = [mlm_uniforms(seed, epochs[:, None], sample_ids[:, None], positions, use)
+    uniforms = [sample_uniforms(seed, epochs[:, None], sample_ids[:, None], positions, use)
                 for use in (1, 2)]
     inputs = np.where(chosen & (uniforms[0] < 0.8), special["mask"], tokens)  # 80% [MASK]
     replaced = chosen & (uniforms[0] >= 0.8) & (uniforms[0] < 0.9)  # 10% a random token, 10% kept
@@ -1253,27 +1297,8 @@ def masked_positions(seed, epochs, sample_ids, lengths, width, probability):
     or the padding after it; each other position with `probability`."""
     positions = np.arange(width)
     candidates = (positions >= 1) & (positions <= lengths[:, None] - 2)
-    uniforms = mlm_uniforms(seed, epochs[:, None], sample_ids[:, None], positions, 0)
+    uniforms = sample_uniforms(seed, epochs[:, None], sample_ids[:, None], positions, 0)
     return candidates & (uniforms < probability)
-
-
-def mlm_uniforms(seed, epochs, sample_ids, positions, use):
-    """A float in [0, 1) per (epoch, sample, position), broadcast against each other, for one use
-    (0: masked?, 1: replaced by what, 2: which random token): a hash of (seed, epoch, sample,
-    position, use) alone, so the masking does not depend on which rank or micro-batch holds a
-    sample, and a micro-batch is drawn in a few vectorised operations (splitmix64's mixing)."""
-    shape = np.broadcast_shapes(np.shape(epochs), np.shape(sample_ids), np.shape(positions))
-    mixed = np.full(shape, seed, dtype=np.uint64)
-    for part in (epochs, sample_ids, np.asarray(positions) * 4 + use):
-        mixed = splitmix64(mixed ^ np.asarray(part, dtype=np.uint64))
-    return (splitmix64(mixed) >> np.uint64(11)).astype(np.float64) * 2.0**-53  # the top 53 bits
-
-
-def splitmix64(values):
-    values = values + np.uint64(0x9E3779B97F4A7C15)  # numpy's uint64 arithmetic wraps, as wanted
-    values = (values ^ (values >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    values = (values ^ (values >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return values ^ (values >> np.uint64(31))
 
 
 def is_masked_lm_type(cfg):
@@ -1281,6 +1306,249 @@ def is_masked_lm_type(cfg):
         else cfg.model.type
     return model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES
 # ============================================================================== MLM: end
+
+
+# ============================================================================== images: begin
+# Image classification with ViT: data from `preprocess.py --images`. Delete this block and the lines
+# tagged # images for a trainer of language models only.
+
+# Without a CUDA GPU and for model.type=vit, these replace CPU_PRESET's values: a small ViT from
+# scratch needs more steps and no random crops to reach 90% on the digits within minutes.
+CPU_PRESET_IMAGES = {"train.max_steps": 1000, "train.eval_every": 250, "train.crop_padding": 0,
+                     "optim.lr": 3e-3, "optim.min_lr": 3e-4, "optim.warmup_steps": 50,
+                     "checkpoint.every": 250}
+
+
+def vit_preset(args, flat, image_preset):
+    """The CPU preset's values for images where model.type=vit (from the arguments or the file)."""
+    model_type = dict(arg.partition("=")[::2] for arg in args).get("model.type", flat["model.type"])
+    return image_preset if model_type == "vit" else {}
+
+
+def is_image_model(cfg):
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES
+    model_type = load_pretrained_config(cfg.model.pretrained).model_type if cfg.model.pretrained \
+        else cfg.model.type
+    return model_type in MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES
+
+
+def default_image_dir(cfg):
+    """An image model with data.dir at its default reads the offline default images: the digits."""
+    return "data/digits" if cfg.data.dir == DEFAULTS["data"]["dir"] and is_image_model(cfg) \
+        else cfg.data.dir
+
+
+def image_task(cfg, meta, task, reader):
+    """("image", ArrowImages) for a ViT on images, the text task and reader for a text model on
+    text; else, and for the knobs that do not apply to images, a one-line error with the reason."""
+    images, image_model = meta.get("kind") == "images", is_image_model(cfg)
+    model_type = load_pretrained_config(cfg.model.pretrained).model_type if cfg.model.pretrained \
+        else cfg.model.type
+    if image_model and not images:
+        die(f"model.type={model_type} classifies images, {cfg.data.dir} holds text -> prepare "
+            "images: python preprocess.py --images [FOLDER] --out DIR, and pass data.dir=DIR")
+    if images and not image_model:
+        die(f"{cfg.data.dir} holds images, model.type={model_type} is a text model -> use "
+            "model.type=vit, or a data.dir of text")
+    if not images:
+        return task, reader
+    if model_type != "vit":
+        die(f"model.type={model_type}: the image path trains ViT models -> use model.type=vit")
+    values, defaults = config_dict(cfg), flatten(DEFAULTS)
+    for key, reason in [("model.task", "an image model classifies"),
+                        ("model.embedding_gpu_rows", "a ViT has no token embedding"),
+                        ("model.tie_word_embeddings", "a ViT has no token embedding"),
+                        ("train.mlm_probability", "a masked-LM setting"),
+                        ("train.pad_to_multiple", "a masked-LM setting")]:
+        if values[key] != defaults[key]:
+            die(f"{key}={values[key]} does not apply to images ({reason}) -> leave it at "
+                f"{defaults[key]}")
+    return "image", ArrowImages
+
+
+def check_image_meta(meta, path):
+    size, classes = meta.get("image_size"), meta.get("classes")
+    statistics = all(isinstance(meta.get(key), list) and len(meta[key]) == 3
+                     for key in ("mean", "std"))
+    if not (isinstance(size, int) and size > 0 and isinstance(classes, list) and len(classes) > 1
+            and meta.get("channels") == 3 and statistics):
+        die(f"{path} lacks image_size, classes (two or more), channels=3, mean or std -> rebuild "
+            f"it: python preprocess.py --images SOURCE --out {path.parent} --force")
+    return meta
+
+
+class ArrowImages:
+    """The images of one split, memory-mapped from Arrow files: sample i is image i (uint8 pixels,
+    height x width x RGB) and its label. One image is one sample, of "length" 1: the text path's
+    counts of tokens count images here."""
+    task, seq_len = "image", 1
+
+    def __init__(self, data_dir, meta, split, task, seq_len):
+        self.size, self.classes = meta["image_size"], list(meta["classes"])
+        self.mean, self.std, self.on_device = meta["mean"], meta["std"], {}
+        self.summary = f"{len(self.classes)} classes, {self.size}x{self.size} pixels"
+        rebuild = f"-> rebuild: python preprocess.py --images SOURCE --out {data_dir} --force"
+        row_bytes, pieces, labels = self.size * self.size * 3, [], []
+        for name in meta["splits"][split]["files"]:
+            try:
+                table = pa.ipc.open_file(pa.memory_map(str(data_dir / name))).read_all()
+            except (OSError, pa.ArrowInvalid) as error:
+                die(f"cannot read {data_dir / name} ({error}) {rebuild}")
+            if not {"pixels", "label"} <= set(table.column_names) or table.schema.field(
+                    "pixels").type != pa.binary(row_bytes):
+                die(f"{data_dir / name} has no pixels column of {self.size}x{self.size} RGB "
+                    f"images {rebuild}")
+            for chunk in (chunk for chunk in table.column("pixels").chunks if len(chunk)):
+                if chunk.null_count:
+                    die(f"{data_dir / name} has images without pixels {rebuild}")
+                flat = np.frombuffer(chunk.buffers()[1], dtype=np.uint8)  # no copy
+                pieces.append(flat[chunk.offset * row_bytes:][:len(chunk) * row_bytes].reshape(
+                    len(chunk), self.size, self.size, 3))
+            labels.append(table.column("label").to_numpy().astype(np.int64))
+        self.labels = np.concatenate(labels) if labels else np.zeros(0, dtype=np.int64)
+        if len(self.labels) and not 0 <= self.labels.min() <= self.labels.max() < len(self.classes):
+            die(f"the {split} split of {data_dir} has labels outside 0..{len(self.classes) - 1} "
+                f"{rebuild}")
+        self.pieces, self.piece_starts = pieces, np.cumsum([0] + [len(p) for p in pieces])
+        if len(self.labels) == 0:
+            die(f"the {split} split of {data_dir} has no images -> prepare more images, or "
+                f"{rebuild.removeprefix('-> ')} with a larger --val-fraction")
+
+    def __len__(self):
+        return len(self.labels)
+
+    def length(self, index):
+        return 1
+
+    def model_summary(self, config):
+        patches = (config.image_size // config.patch_size) ** 2
+        return f"{patches} patches of {config.patch_size}x{config.patch_size}, " \
+               f"{config.num_labels} classes"
+
+    def pixels(self, sample_ids):
+        """The uint8 images of sample_ids, batch x height x width x RGB, gathered across files."""
+        pieces = np.searchsorted(self.piece_starts, sample_ids, side="right") - 1
+        out = np.empty((len(sample_ids), self.size, self.size, 3), dtype=np.uint8)
+        for piece in np.unique(pieces):
+            rows = pieces == piece
+            out[rows] = self.pieces[piece][sample_ids[rows] - self.piece_starts[piece]]
+        return out
+
+    def normalizer(self, device):
+        """255 x std and mean as (1, 3, 1, 1) tensors, made on the device once."""
+        if device not in self.on_device:
+            self.on_device[device] = [torch.tensor(values, device=device).view(1, 3, 1, 1)
+                                      for values in (self.mean, [255 * s for s in self.std])]
+        return self.on_device[device]
+
+
+def image_micro_batch(split_data, sample_ids, epochs, cfg, device, training):
+    """Images go to the device as uint8 (a quarter of float32's bytes); there they are cropped at
+    random from a zero-padded frame (train.crop_padding), flipped (train.hflip) and normalised. The
+    offsets hash (seed, epoch, sample): the same augmentation on any number of ranks. In validation,
+    samples past the split's end (epochs > 0) only pad the last batch: their labels are ignored."""
+    sample_ids = np.asarray(sample_ids, dtype=np.int64)
+    epochs = np.asarray(epochs, dtype=np.int64)
+    pixels = torch.from_numpy(split_data.pixels(sample_ids))
+    labels = torch.from_numpy(split_data.labels[sample_ids])
+    if not training:
+        labels[torch.from_numpy(epochs > 0)] = IGNORE_INDEX
+    size, pad = split_data.size, cfg.train.crop_padding if training else 0
+    uniforms = sample_uniforms(cfg.train.seed, epochs[:, None], sample_ids[:, None], [0, 1, 2], 3)
+    shifts = torch.from_numpy((uniforms[:, :2] * (2 * pad + 1)).astype(np.int64))  # 0..2 x pad
+    flips = torch.from_numpy((uniforms[:, 2] < 0.5) & (training and cfg.train.hflip))
+    if device.type == "cuda":  # from pinned memory the copies do not make the host wait
+        pixels, labels, shifts, flips = (tensor.pin_memory().to(device, non_blocking=True)
+                                         for tensor in (pixels, labels, shifts, flips))
+    images = pixels.permute(0, 3, 1, 2)  # batch x RGB x height x width, as the model reads them
+    if pad or (cfg.train.hflip and training):
+        framed = F.pad(images, (pad, pad, pad, pad))
+        steps = torch.arange(size, device=images.device)
+        rows = shifts[:, 0, None] + steps
+        cols = shifts[:, 1, None] + torch.where(flips[:, None], size - 1 - steps, steps)
+        batch_index = torch.arange(len(images), device=images.device)[:, None, None, None]
+        channels = torch.arange(3, device=images.device)[None, :, None, None]
+        images = framed[batch_index, channels, rows[:, None, :, None], cols[:, None, None, :]]
+    mean, scale = split_data.normalizer(device)
+    pixel_values = (images.float() - 255 * mean) / scale  # (x / 255 - mean) / std
+    return {"inputs": {"pixel_values": pixel_values}, "labels": labels, "host_input_ids": None}
+
+
+def image_record(record, data):
+    """A log record of the image path: images where the text path counts tokens."""
+    if data.task != "image":
+        return record
+    return {key.replace("tokens", "images"): value for key, value in record.items()}
+
+
+def vit_config(cfg, meta):
+    """A ViT of model.*'s shape for meta.json's images and classes, or model.pretrained's, with a
+    new classifier when the classes differ."""
+    size, classes = meta["image_size"], meta["classes"]
+    labels = dict(num_labels=len(classes), id2label=dict(enumerate(classes)),
+                  label2id={name: i for i, name in enumerate(classes)})
+    if cfg.model.pretrained:
+        config = load_pretrained_config(cfg.model.pretrained)
+        if config.image_size != size:
+            die(f"{cfg.model.pretrained} was trained on {config.image_size}-pixel images, "
+                f"{cfg.data.dir} holds {size}-pixel ones -> prepare them with --image-size "
+                f"{config.image_size}")
+        if config.num_labels != len(classes) or list(config.id2label.values()) != classes:
+            log0(f"a new classifier for {len(classes)} classes (model.pretrained has "
+                 f"{config.num_labels}): it starts from random weights")
+        config.update(labels)
+        return config
+    check_heads(cfg)
+    patch = cfg.model.patch_size or min(16, size // 4)  # 16 as ViT-B/16; 4 x 4 patches at least
+    if size % patch:
+        die(f"the images are {size} pixels, not a multiple of model.patch_size={patch} -> give a "
+            "model.patch_size that divides it")
+    return AutoConfig.for_model(
+        "vit", hidden_size=cfg.model.n_embd, num_hidden_layers=cfg.model.n_layer,
+        num_attention_heads=cfg.model.n_head, image_size=size, patch_size=patch,
+        intermediate_size=cfg.model.intermediate_size or 4 * cfg.model.n_embd, **labels)
+
+
+def vit_flops_counter(raw_model):
+    """Model FLOPs per image of a ViT's forward + backward, as model_flops counts them: each linear
+    layer of the encoder multiplies every one of the P = patches + 1 (the class token) positions,
+    6 FLOPs per weight; attention 12 x width per query-key pair and layer (P^2 pairs); the patch
+    projection 4 per weight and patch (the pixels need no gradient); the classifier reads the class
+    token alone."""
+    config = raw_model.config
+    patches = (config.image_size // config.patch_size) ** 2
+    positions = patches + 1
+    linear = sum(m.weight.numel() for block in repeated_blocks(raw_model) for m in block.modules()
+                 if isinstance(m, torch.nn.Linear))
+    projection = raw_model.vit.embeddings.patch_embeddings.projection.weight.numel()
+    head = raw_model.classifier.weight.numel()
+    per_image = (6 * linear * positions + 12 * config.num_hidden_layers * config.hidden_size *
+                 positions ** 2 + 4 * projection * patches + 6 * head)
+    return lambda lengths: per_image * sum(len(micro_batch) for micro_batch in lengths)
+
+
+def check_classes(train_state, meta, path, cfg):
+    classes = train_state.get("classes", meta.get("classes"))
+    if classes != meta.get("classes"):
+        die(f"checkpoint {path} was trained on the classes {classes}, {cfg.data.dir} has "
+            f"{meta.get('classes')} -> give the data.dir it was trained on, or start afresh in "
+            "another checkpoint.dir")
+
+
+def export_image_model(raw_model, meta, final_dir):
+    """save_pretrained and the image processor the pipeline applies before the model: the shorter
+    side resized to the image size (bicubic) and a centre crop, as preprocess.py did, then
+    meta.json's mean and std: pipeline("image-classification", model=final_dir) classifies."""
+    size = meta["image_size"]
+    raw_model.save_pretrained(final_dir)
+    processor = {"image_processor_type": "BitImageProcessor", "do_convert_rgb": True,
+                 "do_resize": True, "size": {"shortest_edge": size}, "resample": 3,
+                 "do_center_crop": True, "crop_size": {"height": size, "width": size},
+                 "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+                 "image_mean": meta["mean"], "image_std": meta["std"]}
+    (final_dir / "preprocessor_config.json").write_text(json.dumps(processor, indent=2) + "\n")
+    print(f"exported the model and its image processor to {final_dir}", flush=True)
+# ============================================================================== images: end
 
 
 # ----------------------------------------------------------------------------- 4. model (helpers)
@@ -1293,30 +1561,15 @@ def load_pretrained_config(path):
             "-> give a local directory holding config.json and the weights")
 
 
-def model_config(cfg, padded_vocab, special):
-    """The transformers config: the pretrained model's, or a new one of the shape in model.*."""
-    if cfg.model.pretrained:
-        config = load_pretrained_config(cfg.model.pretrained)
-        if getattr(config, "max_position_embeddings", cfg.train.seq_len) < cfg.train.seq_len:
-            die(f"{cfg.model.pretrained} knows {config.max_position_embeddings} positions, "
-                f"train.seq_len is {cfg.train.seq_len} -> lower train.seq_len")
-    else:
-        if cfg.model.n_embd % cfg.model.n_head:
-            die(f"model.n_embd={cfg.model.n_embd} is not divisible by model.n_head="
-                f"{cfg.model.n_head} -> change one of them")
-        try:
-            config = AutoConfig.for_model(
-                cfg.model.type, vocab_size=padded_vocab, hidden_size=cfg.model.n_embd,
-                num_hidden_layers=cfg.model.n_layer, num_attention_heads=cfg.model.n_head,
-                max_position_embeddings=cfg.train.seq_len, pad_token_id=special["pad"],
-                bos_token_id=special["eot"], eos_token_id=special["eot"])
-        except ValueError as error:
-            die(f"model.type={cfg.model.type} is not a transformers model type "
-                f"({first_line(error)}) -> use e.g. gpt2, llama, bert or roberta")
-        if hasattr(config, "intermediate_size"):  # those that have one default to their own, larger
-            config.intermediate_size = cfg.model.intermediate_size or 4 * cfg.model.n_embd
-        if hasattr(config, "num_key_value_heads"):
-            config.num_key_value_heads = cfg.model.n_head
+def padded_vocab(meta):
+    return math.ceil(meta["vocab_size"] / 64) * 64  # as nanoGPT: matmul-friendly sizes
+
+
+def model_config(cfg, task, meta):
+    """The transformers config, with model.*'s dropout and output-layer choices."""
+    make_config = text_config
+    make_config = vit_config if task == "image" else make_config  # images
+    config = make_config(cfg, meta)
     for name, value in config.to_dict().items():
         if ("dropout" in name or "pdrop" in name) and isinstance(value, float):
             setattr(config, name, cfg.model.dropout)
@@ -1327,10 +1580,47 @@ def model_config(cfg, padded_vocab, special):
     return config
 
 
-def build_model(cfg, task, padded_vocab, special, device):
-    """A new model from a transformers config, or a local pretrained one; fp32 master weights."""
-    config = model_config(cfg, padded_vocab, special)
+def text_config(cfg, meta):
+    """A language model's config: the pretrained model's, or a new one of the shape in model.*."""
+    if cfg.model.pretrained:
+        config = load_pretrained_config(cfg.model.pretrained)
+        if getattr(config, "max_position_embeddings", cfg.train.seq_len) < cfg.train.seq_len:
+            die(f"{cfg.model.pretrained} knows {config.max_position_embeddings} positions, "
+                f"train.seq_len is {cfg.train.seq_len} -> lower train.seq_len")
+        return config
+    check_heads(cfg)
+    special = meta["special_tokens"]
+    try:
+        config = AutoConfig.for_model(
+            cfg.model.type, vocab_size=padded_vocab(meta), hidden_size=cfg.model.n_embd,
+            num_hidden_layers=cfg.model.n_layer, num_attention_heads=cfg.model.n_head,
+            max_position_embeddings=cfg.train.seq_len, pad_token_id=special["pad"],
+            bos_token_id=special["eot"], eos_token_id=special["eot"])
+    except ValueError as error:
+        die(f"model.type={cfg.model.type} is not a transformers model type "
+            f"({first_line(error)}) -> use e.g. gpt2, llama, bert or roberta")
+    if hasattr(config, "intermediate_size"):  # those that have one default to their own, larger
+        config.intermediate_size = cfg.model.intermediate_size or 4 * cfg.model.n_embd
+    if hasattr(config, "num_key_value_heads"):
+        config.num_key_value_heads = cfg.model.n_head
+    return config
+
+
+def check_heads(cfg):
+    if cfg.model.n_embd % cfg.model.n_head:
+        die(f"model.n_embd={cfg.model.n_embd} is not divisible by model.n_head={cfg.model.n_head} "
+            "-> change one of them")
+
+
+def model_class_of(task):
     model_class = AutoModelForMaskedLM if task == "mlm" else AutoModelForCausalLM
+    model_class = AutoModelForImageClassification if task == "image" else model_class  # images
+    return model_class
+
+
+def build_model(cfg, task, meta, device):
+    """A new model from a transformers config, or a local pretrained one; fp32 master weights."""
+    config, model_class = model_config(cfg, task, meta), model_class_of(task)
     attention = choose_attention(cfg.model.attention, device, task,
                                  model_class._model_mapping.get(type(config), None))
     if not cfg.model.pretrained:
@@ -1339,7 +1629,8 @@ def build_model(cfg, task, padded_vocab, special, device):
     try:
         model = model_class.from_pretrained(cfg.model.pretrained, config=config,
                                             dtype=torch.float32, attn_implementation=attention,
-                                            local_files_only=True)
+                                            local_files_only=True,
+                                            ignore_mismatched_sizes=task == "image")  # new head
     except (OSError, ValueError) as error:
         die(f"cannot load model.pretrained={cfg.model.pretrained} ({first_line(error)}) -> give a "
             "directory written by save_pretrained")
@@ -1349,8 +1640,8 @@ def build_model(cfg, task, padded_vocab, special, device):
         model.get_output_embeddings().weight.data.copy_(model.get_input_embeddings().weight.data)
         log0("untied the output layer from the input embedding (model.tie_word_embeddings=false): "
              "it starts as a copy")
-    if model.get_input_embeddings().num_embeddings < padded_vocab:
-        model.resize_token_embeddings(padded_vocab)  # the tokenizer has more tokens
+    if task != "image" and model.get_input_embeddings().num_embeddings < padded_vocab(meta):
+        model.resize_token_embeddings(padded_vocab(meta))  # the tokenizer has more tokens
     return model, attention
 
 
@@ -1401,6 +1692,8 @@ def repeated_blocks(model):
 
 def model_flops_counter(raw_model, task, attention, cfg):
     """A function from the sample lengths of each micro-batch to their model FLOPs, for MFU."""
+    if task == "image":  # images
+        return vit_flops_counter(raw_model)  # images
     matmul_params = count_matmul_params(raw_model)
     layers, width = raw_model.config.num_hidden_layers, raw_model.config.hidden_size
     # FlashAttention-2 drops a masked batch's padding before attention; SDPA and eager compute every
@@ -1595,6 +1888,7 @@ def log_interval(interval, run, result):
         "eta_s": elapsed / interval.steps * (run.cfg.train.max_steps - run.step),
     }
     record["gpu_util"] = run.exporters.gpu_util()  # metrics
+    record = image_record(record, run.train_data)  # images
     write_metrics(run, record)
     log0(log_line(record, run.cfg.train.max_steps))
     interval.reset(now)
@@ -1625,8 +1919,10 @@ def span_ms(spans):
 def log_line(record, max_steps):
     """The console's compact line: each figure only where it exists."""
     loss = "n/a" if record["loss"] is None else f"{record['loss']:.4f}"
+    rate = (f"{record['images_per_sec']:.0f} img/s" if "images_per_sec" in record else
+            f"{record['tokens_per_sec'] / 1e3:.1f}k tok/s")
     line = (f"step {record['step']}/{max_steps} | loss {loss} | lr {record['lr']:.2e} | grad "
-            f"{record['grad_norm']:.3f} | {record['tokens_per_sec'] / 1e3:.1f}k tok/s")
+            f"{record['grad_norm']:.3f} | {rate}")
     parts = [("mfu", lambda r: f"MFU {100 * r['mfu']:.1f}%"),
              ("mem_alloc_gib", lambda r: f"mem {r['mem_alloc_gib']:.1f}/"
                                          f"{r['mem_reserved_gib']:.1f}/{r['mem_peak_gib']:.1f} GiB "
@@ -1647,28 +1943,34 @@ def log_line(record, max_steps):
 
 
 def validate(model, val_data, run):
-    """The mean loss per label token over the same validation batches every time, each rank doing
-    its share: rank 0 alone would be world_size times slower, and would hang the others if the
-    forward itself communicates (FSDP all-gathers weights) or outlasts dist.timeout_s."""
+    """The mean loss per label and the top-1 accuracy over the same validation batches every time,
+    each rank doing its share: rank 0 alone would be world_size times slower, and would hang the
+    others if the forward itself communicates (FSDP all-gathers weights) or outlasts dist.timeout_s.
+    Images: the whole split, each image counted once (labels past its end are IGNORE_INDEX)."""
     model.eval()
-    loss_sum, label_tokens = torch.zeros((), device=run.device, dtype=torch.float64), 0
+    batches, global_batch = run.cfg.train.eval_batches, run.cfg.train.global_batch_size
+    if val_data.task == "image":  # images
+        batches = -(-len(val_data) // global_batch)  # images
+    sums = torch.zeros(3, device=run.device, dtype=torch.float64)  # loss, correct, labels
     with torch.no_grad():
-        for batch_index in range(run.cfg.train.eval_batches):
-            position = (batch_index * run.cfg.train.global_batch_size) % len(val_data)
-            micro_batches, _, batch_label_tokens, _ = rank_batches(
-                val_data, position, None, run.cfg, dist.get_world_size(), dist.get_rank(),
-                run.device)
-            label_tokens += batch_label_tokens
+        for batch_index in range(batches):
+            micro_batches = rank_batches(val_data, (batch_index * global_batch) % len(val_data),
+                                         None, run.cfg, dist.get_world_size(), dist.get_rank(),
+                                         run.device)[0]
             for batch in micro_batches:
                 with run.autocast:
-                    logits = model(input_ids=batch["input_ids"],
-                                   attention_mask=batch["attention_mask"]).logits
-                loss_sum += token_loss_sum(logits, batch["labels"])
-    dist.all_reduce(loss_sum)
+                    logits = model(**batch["inputs"]).logits
+                counted = batch["labels"] != IGNORE_INDEX
+                sums[0] += token_loss_sum(logits, batch["labels"])
+                sums[1] += ((logits.argmax(-1) == batch["labels"]) & counted).sum()
+                sums[2] += counted.sum()
+    dist.all_reduce(sums)
     model.train()
-    val_loss = loss_sum.item() / max(1, label_tokens)
-    log0(f"step {run.step} | val loss {val_loss:.4f}")
-    write_metrics(run, {"kind": "val", "step": run.step, "val_loss": val_loss})
+    loss_sum, correct, labels = sums.tolist()
+    val_loss, val_accuracy = loss_sum / max(1, labels), correct / max(1, labels)
+    log0(f"step {run.step} | val loss {val_loss:.4f} | accuracy {100 * val_accuracy:.2f}%")
+    write_metrics(run, {"kind": "val", "step": run.step, "val_loss": val_loss,
+                        "val_accuracy": val_accuracy})
 
 
 def catch_stop_signals():
@@ -1783,6 +2085,8 @@ def peak_flops_per_gpu(device, peak_tflops):
 def export_final(raw_model, data_dir, meta, final_dir, task, cfg, device):
     """save_pretrained and the tokenizer: AutoModelFor...from_pretrained(final_dir) loads them."""
     transformers_logging.disable_progress_bar()  # a bar per one-file save is noise in a log
+    if task == "image":  # images
+        return export_image_model(raw_model, meta, final_dir)  # images
     core = Tokenizer.from_file(str(data_dir / meta["tokenizer_file"]))
     names = {key: core.id_to_token(token_id) for key, token_id in meta["special_tokens"].items()}
     tokenizer = PreTrainedTokenizerFast(
