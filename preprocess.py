@@ -685,7 +685,8 @@ def build_images(args):
     try:
         start_time = time.perf_counter()
         temp_dir.mkdir(parents=True)
-        result = write_image_shards(source, temp_dir, size, val_fraction, workers)
+        result = write_image_shards(source, temp_dir, size, val_fraction, workers,
+                                    upsample=digits)
         seconds = time.perf_counter() - start_time
         meta = {"format_version": FORMAT_VERSION, "kind": "images", "image_size": size,
                 "channels": 3, "classes": source["classes"], "mean": result["mean"],
@@ -705,9 +706,6 @@ def build_images(args):
     print(f"{out}: {splits['train']['images']:,} train / {splits['val']['images']:,} val images "
           f"of {size}x{size}, {len(source['classes'])} classes, in {seconds:.1f} s "
           f"({images / max(seconds, 1e-9):.0f} images/s, {workers} worker{'s' * (workers > 1)})")
-    if result["upsampled"] and not digits:
-        print(f"note: {result['upsampled']:,} images smaller than {size} px on their shorter side "
-              "were upsampled")
     if splits["val"]["images"] == 0:
         print("warning: the val split is empty: no images to measure a validation accuracy on -> "
               + ("add images to the source's val split" if source["split_given"]
@@ -1022,15 +1020,16 @@ def decoded_chunks(items, size, workers):
             yield pending[0], pending[1].get()
 
 
-def write_image_shards(source, out_dir, size, val_fraction, workers):
-    """Decode the source's images into train/val shards; return what meta.json holds of them."""
+def write_image_shards(source, out_dir, size, val_fraction, workers, upsample=False):
+    """Decode the source's images into train/val shards; return what meta.json holds of them.
+    Images smaller than size are an error, unless upsample (the 8x8 digits)."""
     row_bytes = size * size * 3
     schema = pa.schema([("pixels", pa.binary(row_bytes)), ("label", pa.int32())])
     rows_per_shard = max(1, min(SHARD_IMAGES, SHARD_BYTES // row_bytes))
     writers = {split: ShardWriter(out_dir, split, schema, rows_per_shard)
                for split in ("train", "val")}
     sums, squares = np.zeros(3, np.int64), np.zeros(3, np.int64)
-    skipped, upsampled, done = [], 0, 0
+    skipped, small, small_count, smallest, done = [], [], 0, size, 0
     start_time = last_print = time.perf_counter()
     for chunk, results in decoded_chunks(iter(source["items"]), size, workers):
         rows = {"train": ([], []), "val": ([], [])}
@@ -1042,7 +1041,10 @@ def write_image_shards(source, out_dir, size, val_fraction, workers):
             split = split or ("val" if is_val(key, val_fraction) else "train")
             rows[split][0].append(pixels)
             rows[split][1].append(label)
-            upsampled += shorter_side < size
+            if shorter_side < size:
+                small_count, smallest = small_count + 1, min(smallest, shorter_side)
+                if len(small) < 3:
+                    small.append(f"{key} ({shorter_side} px)")
             if split == "train":
                 sums += channel_sums
                 squares += channel_squares
@@ -1066,17 +1068,24 @@ def write_image_shards(source, out_dir, size, val_fraction, workers):
                   if skipped else f"--val-fraction {val_fraction} holds out everything")
         die(f"no images for the train split: {reason} -> pass images that Pillow reads, "
             "or a --val-fraction below 1")
+    named = (", ".join(f"{key} ({reason})" for key, reason in skipped[:3])
+             + (", ..." if len(skipped) > 3 else ""))
+    if 100 * len(skipped) > done:  # not a few bad files: a broken download, or the wrong files
+        die(f"{len(skipped):,} of {done:,} files ({100 * len(skipped) / done:.3g}%) do not decode, "
+            f"more than the 1% that is skipped: {named} -> repair or remove them")
+    if small_count and not upsample:  # upsampled, they would be blurrier than the rest
+        die(f"{small_count:,} of {done - len(skipped):,} images are smaller than --image-size "
+            f"{size} on their shorter side: {', '.join(small)}"
+            + (", ..." if small_count > 3 else "")
+            + f" -> pass --image-size {smallest}, or remove them")
     if skipped:
-        print(f"note: skipped {len(skipped):,} of {done:,} files that do not decode: "
-              + ", ".join(f"{key} ({reason})" for key, reason in skipped[:3])
-              + (", ..." if len(skipped) > 3 else ""))
+        print(f"note: skipped {len(skipped):,} of {done:,} files that do not decode: {named}")
     pixel_count = train_images * size * size
     mean = sums / (pixel_count * 255)
     std = np.sqrt(np.maximum(squares / (pixel_count * 255 ** 2) - mean ** 2, 0))
     return {"mean": mean.tolist(), "std": std.tolist(),
             "splits": {split: {"files": w.files, "images": w.rows} for split, w in writers.items()},
-            "skipped": {"count": len(skipped), "examples": [key for key, _ in skipped[:5]]},
-            "upsampled": upsampled}
+            "skipped": {"count": len(skipped), "examples": [key for key, _ in skipped[:5]]}}
 # ============================================================================== images: end
 
 

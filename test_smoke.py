@@ -2958,10 +2958,10 @@ IMAGE_CLASSES = ["cat", "dog"]
 SUFFIX_OF_MODE = {"RGB": ".jpg", "L": ".png", "P": ".gif", "RGBA": ".png"}
 
 
-def make_image_folder(root, trees=("train", "val"), per_class=(8, 3)):
+def make_image_folder(root, trees=("train", "val"), per_class=(8, 3), broken=False):
     """Two classes of small images (16 to 40 px a side) in the four modes datasets hold most (RGBA
-    with random alpha), plus a corrupt .jpg and a .txt in the first tree; returns the good files' paths
-    relative to root, sorted."""
+    with random alpha), plus a .txt and, if broken, a corrupt .jpg in the first tree; returns the good
+    files' paths relative to root, sorted."""
     rng = np.random.default_rng(0)
     relpaths = []
     for tree, count in zip(trees, per_class):
@@ -2977,7 +2977,8 @@ def make_image_folder(root, trees=("train", "val"), per_class=(8, 3)):
                 else:
                     (rgba if mode == "RGBA" else rgba.convert(mode)).save(root / relpath)
                 relpaths.append(relpath)
-    (root / trees[0] / "cat" / "broken.jpg").write_bytes(b"\xff\xd8\xff\xe0 cut short")
+    if broken:
+        (root / trees[0] / "cat" / "broken.jpg").write_bytes(b"\xff\xd8\xff\xe0 cut short")
     (root / trees[0] / "cat" / "notes.txt").write_text("not an image")
     return sorted(relpaths)
 
@@ -3040,10 +3041,10 @@ def preprocess_in_process(*args):
 
 def test_images_from_a_folder_with_train_and_val_trees_match_pillows_resize_and_crop_in_every_mode(tmp_path):
     folder, out = tmp_path / "folder", tmp_path / "out"
-    relpaths = make_image_folder(folder)
+    relpaths = make_image_folder(folder, per_class=(40, 10), broken=True)  # 1 of 101 does not decode
     result = run_preprocess("--images", folder, "--out", out, "--image-size", 16, "--workers", 2)
     assert result.returncode == 0, result.stderr
-    notes = [line for line in result.stdout.splitlines() if line.startswith("note: skipped 1 of 23 files")]
+    notes = [line for line in result.stdout.splitlines() if line.startswith("note: skipped 1 of 101 files")]
     assert len(notes) == 1 and "train/cat/broken.jpg" in notes[0], result.stdout
     meta = json.loads((out / "meta.json").read_text())
     assert sorted(meta) == sorted(["format_version", "kind", "image_size", "channels", "classes", "mean", "std",
@@ -3053,7 +3054,7 @@ def test_images_from_a_folder_with_train_and_val_trees_match_pillows_resize_and_
     assert meta["skipped"] == {"count": 1, "examples": ["train/cat/broken.jpg"]}
     for split in ("train", "val"):
         expected = [relpath for relpath in relpaths if relpath.startswith(split + "/")]
-        assert len(expected) == (16 if split == "train" else 6)
+        assert len(expected) == (80 if split == "train" else 20)
         assert_rows_are_the_files(out, split, folder, expected, 16)
     assert_mean_std_are_the_train_pixels(out)
     # an RGBA file (random alpha) came out on white: brighter than its own colour values
@@ -3089,7 +3090,7 @@ def test_images_from_hf_files_keep_their_pixels_labels_and_class_names(tmp_path,
     """The image column as datasets' Image feature stores it ({bytes, path} structs), found by its type; the
     split from the file names; class ids named by the features in the schema's metadata."""
     folder = tmp_path / "folder"
-    relpaths = make_image_folder(folder)
+    relpaths = make_image_folder(folder, per_class=(40, 10), broken=True)  # 1 row of 101 does not decode
     (tmp_path / "hub" / "data").mkdir(parents=True)
     for split, file_split in (("train", "train"), ("val", "validation")):
         rows = [relpath for relpath in relpaths if relpath.startswith(split + "/")]
@@ -3172,6 +3173,16 @@ def bad_images_args(case, tmp_path):
         (folder / "val" / "bird").mkdir()
         Image.new("RGB", (20, 20)).save(folder / "val" / "bird" / "a.png")
         return ["--images", folder]
+    if case == "more_than_1_percent_do_not_decode":
+        make_image_folder(folder, trees=("",), per_class=(10,), broken=True)
+        return ["--images", folder, "--image-size", 16]
+    if case == "images_smaller_than_the_image_size":
+        for name, small in (("cat", (14, 30)), ("dog", (30, 12))):
+            (folder / name).mkdir(parents=True)
+            for i in range(3):
+                Image.new("RGB", (20, 24)).save(folder / name / f"{i}.png")
+            Image.new("RGB", small).save(folder / name / "small.png")
+        return ["--images", folder, "--image-size", 16]
     if case == "no_image_decodes":
         for name in IMAGE_CLASSES:
             (folder / name).mkdir(parents=True)
@@ -3185,6 +3196,16 @@ def bad_images_args(case, tmp_path):
         return ["--images", tmp_path / "t.parquet"]
     if case == "parquet_labels_of_floats":
         pq.write_table(pa.table({"image": image_rows, "label": [0.0, 1.0] * 2}), tmp_path / "t.parquet")
+        return ["--images", tmp_path / "t.parquet"]
+    if case == "parquet_rows_that_do_not_decode":  # 1 of 4: over 1%
+        rows = image_rows[:3] + [{"bytes": b"not a png", "path": "b.png"}]
+        pq.write_table(pa.table({"image": rows, "label": [0, 1] * 2}), tmp_path / "t.parquet")
+        return ["--images", tmp_path / "t.parquet", "--image-size", 16]
+    if case == "parquet_class_without_images":
+        table = pa.table({"image": image_rows, "label": [0, 1] * 2})
+        features = {"label": {"names": ["cat", "dog", "bird"], "_type": "ClassLabel"}}
+        pq.write_table(table.replace_schema_metadata({"huggingface": json.dumps({"info": {"features": features}})}),
+                       tmp_path / "t.parquet")
         return ["--images", tmp_path / "t.parquet"]
     if case == "parquet_labels_of_minus_1":  # HF's test splits often are unlabelled
         pq.write_table(pa.table({"image": image_rows, "label": [-1] * 4}), tmp_path / "t.parquet")
@@ -3208,8 +3229,15 @@ def bad_images_args(case, tmp_path):
     ("a_missing_folder", "does not exist"), ("an_empty_folder", "no images"),
     ("loose_images_without_class_folders", "has no class sub-folders"), ("one_class_only", "one class only"),
     ("an_empty_class_folder", "bird holds no images"), ("a_val_class_that_train_lacks", "bird is no class"),
+    ("more_than_1_percent_do_not_decode", ("1 of 21 files (4.76%) do not decode", "cat/broken.jpg (",
+                                           "-> repair or remove them")),
+    ("parquet_rows_that_do_not_decode", ("1 of 4 files (25%) do not decode", "t.parquet:3 (")),
+    ("images_smaller_than_the_image_size", ("2 of 8 images are smaller than --image-size 16 on their shorter side",
+                                            "cat/small.png (14 px), dog/small.png (12 px)",
+                                            "-> pass --image-size 12, or remove them")),
     ("no_image_decodes", "no image of it decodes"), ("parquet_without_label_column", "has no label column"),
     ("parquet_labels_of_floats", "not integers or strings"), ("parquet_labels_of_minus_1", "negative label"),
+    ("parquet_class_without_images", "class 'bird' has no images"),
     ("image_size_0", "--image-size 0 is not between"), ("image_size_not_a_number", "invalid int value: 'big'"),
     ("workers_0", "--workers 0 is not positive"), ("everything_held_out", "--val-fraction 1.0 holds out"),
     ("a_text_option_with_images", "--vocab-size does not go with --images"),
@@ -3221,8 +3249,26 @@ def test_bad_images_input_is_one_error_line_exit_2_and_no_output(tmp_path, monke
     assert result.returncode == 2, (result.stdout, result.stderr)
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and " -> " in lines[0], result.stderr
-    assert fragment in lines[0], lines[0]
+    for part in fragment if isinstance(fragment, tuple) else (fragment,):
+        assert part in lines[0], lines[0]
     assert not any(p.name.startswith(("out", "data")) for p in tmp_path.iterdir())
+
+
+def test_images_that_do_not_decode_are_skipped_up_to_1_percent_and_an_error_above(tmp_path):
+    folder = tmp_path / "folder"
+    make_image_folder(folder, trees=("",), per_class=(50,), broken=True)
+    (folder / "dog" / "000.jpg").unlink()  # 99 good files, 1 broken: 1%
+    args = ["--images", folder, "--out", tmp_path / "out", "--image-size", 16, "--workers", 1]
+    result = preprocess_in_process(*args)
+    assert result.returncode == 0, result.stderr
+    assert "note: skipped 1 of 100 files that do not decode: cat/broken.jpg (" in result.stdout
+    meta = json.loads((tmp_path / "out" / "meta.json").read_text())
+    assert meta["skipped"] == {"count": 1, "examples": ["cat/broken.jpg"]}
+    assert meta["splits"]["train"]["images"] + meta["splits"]["val"]["images"] == 99
+    (folder / "dog" / "broken.png").write_bytes(b"\x89PNG cut short")  # 2 of 101
+    failed = preprocess_in_process(*args, "--out", tmp_path / "out2")
+    assert failed.returncode == 2 and failed.stderr.startswith("error: 2 of 101 files (1.98%) do not decode")
+    assert not (tmp_path / "out2").exists()
 
 
 def test_bad_images_input_in_a_real_process_is_one_line_without_a_traceback_and_no_output(tmp_path):
