@@ -3597,3 +3597,167 @@ def test_bench_stage_budget_cuts_the_later_sides_timeouts_and_skips_a_side_it_ha
     assert timeouts == [240, 200]  # the second side gets what is left of the 500 s
     assert [r["status"] for r in records] == ["ok", "ok",
                                               "skipped: the stage's budget_s of 500 s is spent"]
+
+
+# what timm's benchmark.py (aa4b585) printed for `--bench train --batch-size 16 --num-warm-iter 2
+# --num-bench-iter 10 --device cpu` on a ViT of 2 layers, then the line of bench.py's TIMM_RUNNER
+TIMM_SAMPLE = """Benchmarking in float32 precision. NCHW layout. torchscript disabled
+Model vit_base_patch16_224 created, param count: 108106
+Running train benchmark on vit_base_patch16_224 for 10 steps w/ input size (3, 32, 32) and batch size 16.
+Train [2/10]. 75.98 samples/sec. 210.570 ms/step.
+Train [4/10]. 88.55 samples/sec. 180.681 ms/step.
+Train [6/10]. 103.48 samples/sec. 154.622 ms/step.
+Train [8/10]. 92.93 samples/sec. 172.171 ms/step.
+Train [10/10]. 95.39 samples/sec. 167.725 ms/step.
+Train benchmark of vit_base_patch16_224 done. 94.26 samples/sec, 167.72 ms/sample
+--result
+{
+    "model": "vit_base_patch16_224",
+    "train_samples_per_sec": 94.26,
+    "train_step_time": 167.725,
+    "train_batch_size": 16,
+    "train_img_size": 32,
+    "param_count": 0.11
+}
+TIMM_PEAK_MEM_GIB 3.5
+"""
+
+
+def test_bench_reads_timms_samples_per_sec_from_its_result_and_says_why_there_is_none():
+    bench = load_bench()
+    timm = bench.read_timm_output(TIMM_SAMPLE, skip_steps=2, batch_size=16)
+    assert timm["images_per_sec"] == 94.26 and timm["peak_mem_gib"] == 3.5 and timm["note"] is None
+    assert timm["window"] == "steps 3-12" and timm["window_s"] == round(10 * 16 / 94.26, 2)
+    assert [i["step"] for i in timm["timm_intervals"]] == [4, 6, 8, 10, 12]
+    assert timm["timm_intervals"][-1] == {"step": 12, "samples_per_sec": 95.39, "ms_per_step": 167.725}
+    assert timm["timm_result"]["train_batch_size"] == 16
+    # cut before its JSON (killed at the timeout): the done line's figure, the same number
+    cut = bench.read_timm_output(TIMM_SAMPLE.split("--result")[0], skip_steps=2, batch_size=16)
+    assert cut["images_per_sec"] == 94.26 and cut["peak_mem_gib"] is None
+    # its error result (--no-retry: no smaller batch), and a batch other than asked
+    oom = ('"CUDA out of memory." while running benchmark.\n--result\n'
+           + json.dumps({"model": "vit_base_patch16_224", "error": "CUDA out of memory."}, indent=4))
+    failed = bench.read_timm_output(oom, skip_steps=2, batch_size=256)
+    assert failed["images_per_sec"] is None and "timm: CUDA out of memory." in failed["note"]
+    smaller = bench.read_timm_output(TIMM_SAMPLE, skip_steps=2, batch_size=256)
+    assert "timm ran batches of 16, not 256" in smaller["note"]
+
+
+def test_bench_timm_flags_ask_for_vit_b16_as_ours_runs_it_and_resize_it_for_tiny():
+    bench = load_bench()
+    flags = bench.timm_flags(bench.VIT_SHAPE, bench.VIT_BATCH, steps=300, skip_steps=30, tiny=False)
+    assert " ".join(flags) == (
+        "--bench train --model vit_base_patch16_224 --batch-size 256 --img-size 224 "
+        "--num-classes 1000 --opt adamw --num-warm-iter 30 --num-bench-iter 270 --no-retry "
+        "--amp --amp-dtype bfloat16 --torchcompile")
+    tiny = bench.timm_flags(bench.TINY_VIT_SHAPE, bench.TINY_VIT_BATCH, steps=12, skip_steps=4, tiny=True)
+    kwargs = tiny[tiny.index("--model-kwargs") + 1:tiny.index("--device")]
+    assert kwargs == ["depth=2", "embed_dim=64", "num_heads=4", "mlp_ratio=4.0", "patch_size=4",
+                      "img_size=32"] and "--amp" not in tiny
+    overrides = bench.our_overrides(bench.VIT_SHAPE, bench.VIT_BATCH, 300, 10, "out/run", tiny=False)
+    assert overrides[:6] == ["model.type=vit", "model.n_layer=12", "model.n_head=12", "model.n_embd=768",
+                             "model.intermediate_size=3072", "model.patch_size=16"]
+    assert {"train.global_batch_size=256", "train.micro_batch_size=256", "train.max_steps=300",
+            "train.eval_every=300", "train.compile=true", "train.precision=bf16"} <= set(overrides)
+    assert not any(o.startswith(("train.seq_len", "data.vocab_size")) for o in overrides)
+
+
+def test_bench_random_image_data_is_preprocess_images_layout_in_arrow_files(tmp_path, monkeypatch):
+    bench = load_bench()
+    monkeypatch.setattr(bench, "WORK_DIR", tmp_path)
+    shape = bench.TINY_VIT_SHAPE
+    data_dir = bench.random_image_data(shape, {"train_images": 1500, "val_images": 300})  # 2 batches
+    image_bytes = 32 * 32 * 3
+    schema = pa.schema([("pixels", pa.binary(image_bytes)), ("label", pa.int32())])
+    tables = {}
+    for split, images in [("train", 1500), ("val", 300)]:
+        with pa.memory_map(str(data_dir / f"{split}-00000.arrow")) as source:
+            tables[split] = pa.ipc.open_file(source).read_all()  # an IPC file, not a stream
+        assert tables[split].schema == schema and tables[split].num_rows == images
+        labels = tables[split].column("label").to_numpy()
+        assert labels.min() >= 0 and labels.max() == shape["classes"] - 1
+    meta = json.loads((data_dir / "meta.json").read_text())
+    fingerprint = meta.pop("fingerprint")
+    assert len(fingerprint) == 64 and meta == {
+        "format_version": 1, "kind": "images", "image_size": 32, "channels": 3,
+        "classes": [f"class_{i}" for i in range(10)], "mean": [0.5, 0.5, 0.5], "std": [0.29, 0.29, 0.29],
+        "splits": {"train": {"files": ["train-00000.arrow"], "images": 1500},
+                   "val": {"files": ["val-00000.arrow"], "images": 300}},
+        "skipped": {"count": 0, "examples": []}, "source": "bench.py random_image_data"}
+    pixels, labels = bench.read_image_split(data_dir, "train")  # what the HF Trainer's side reads
+    assert pixels.shape == (1500, 32, 32, 3) and pixels.dtype == np.uint8
+    for index in [0, 1100]:  # row-major height, width, channel
+        row = tables["train"].column("pixels")[index].as_py()
+        assert pixels[index].tobytes() == row and labels[index] == tables["train"].column("label")[index].as_py()
+    # image 5, row 2, column 3, green
+    assert pixels[5, 2, 3, 1] == tables["train"].column("pixels")[5].as_py()[(2 * 32 + 3) * 3 + 1]
+    assert abs(pixels.mean() / 255 - 0.5) < 0.01 and abs(pixels.std() / 255 - 0.29) < 0.01  # meta's
+
+
+def test_bench_vit_rows_set_ours_against_timm_and_the_hf_trainer_each_from_its_own_side(
+        tmp_path, monkeypatch):
+    """Made-up figures, a different one per side, so that a row built from the wrong side shows."""
+    bench = load_bench()
+    common = {"date": "2026-12-01", "machine": "1 × GPU", "tiny": False, "stage": "vit_1gpu",
+              "timm_commit": "aa4b5850c1", "timm": "1.0.31"}
+    stage_records = [
+        {**common, "side": "ours", "command": "ours", "images_per_sec": 3000.0, "mfu": 0.45,
+         "peak_mem_gib": 40.0, "status": "ok", "window": "steps 31-300"},
+        {**common, "side": "timm", "command": "timm", "images_per_sec": 2500.0, "peak_mem_gib": 32.0,
+         "status": "ok"},
+        {**common, "side": "hf_trainer_vit", "command": "hf", "images_per_sec": 2000.0,
+         "peak_mem_gib": 50.0, "compiled": True, "status": "ok"},
+        # another stage's sides of the same names must not be read
+        {**common, "stage": "hf_trainer", "side": "hf_trainer", "command": "gpt2", "tokens_per_sec": 9.0},
+    ]
+    rows = {row["metric"]: row for row in bench.figures(stage_records)}
+    expected = {  # metric: (value, baseline_value, baseline command)
+        "vit_b16_1gpu_vs_timm_images_per_sec": (3000.0, 2500.0, "timm"),
+        "vit_b16_1gpu_vs_timm_peak_mem_gib": (40.0, 32.0, "timm"),
+        "vit_b16_1gpu_vs_hf_trainer_images_per_sec": (3000.0, 2000.0, "hf"),
+        "vit_b16_1gpu_vs_hf_trainer_peak_mem_gib": (40.0, 50.0, "hf"),
+        "vit_b16_1gpu_mfu": (0.45, None, None)}
+    assert {m for m in rows if m.startswith("vit_")} == set(expected)
+    for metric, (value, baseline_value, baseline_command) in expected.items():
+        row = rows[metric]
+        assert (row["value"], row["baseline_value"]) == (value, baseline_value), metric
+        assert row["ratio"] == (pytest.approx(value / baseline_value) if baseline_value else None)
+        assert (row["command"], row["baseline_command"]) == ("ours", baseline_command), metric
+    assert "aa4b585" in rows["vit_b16_1gpu_vs_timm_images_per_sec"]["baseline"]
+    assert "torch_compile=True" in rows["vit_b16_1gpu_vs_hf_trainer_images_per_sec"]["baseline"]
+    summary = bench.summary_markdown(stage_records, list(rows.values()))
+    assert "| ours | steps 31-300 | 3,000 | 1.000 | 45.0% | 40.0 | ok |" in summary
+    assert "| timm | — | 2,500 | 1.200 | — | 32.0 | ok |" in summary
+    assert "| vit_1gpu |" not in summary  # neither in the table against nanoGPT nor the sides table
+    # timm without a peak (an older benchmark.py, or a failed run): no ratio, a note that says so
+    no_peak = [r if r["side"] != "timm" else {**r, "peak_mem_gib": None} for r in stage_records]
+    row = next(r for r in bench.figures(no_peak) if r["metric"] == "vit_b16_1gpu_vs_timm_peak_mem_gib")
+    assert row["ratio"] is None and row["note"] == "timm reported no peak"
+
+
+def test_bench_records_ours_as_failed_with_the_trainers_reason_when_it_refuses_a_vit(tmp_path, monkeypatch):
+    bench = load_bench()
+    monkeypatch.setattr(bench, "WORK_DIR", tmp_path / "work")
+    output = ("data                       ok (out/bench/random_images_32px_10_1024)\n"
+              "config                     FAIL: unknown config key 'model.patch_size' -> did you mean "
+              "'model.intermediate_size'?\n")
+    monkeypatch.setattr(bench, "run_processes", lambda *args: ("failed (exit 1)", [output], 3.0))
+    monkeypatch.setattr(bench, "REPO", tmp_path)
+    stage, shape, batch = bench.stage_settings("vit_1gpu", tiny=True)
+    batch.update(train_images=64, val_images=16)
+    record = bench.run_ours("vit_1gpu", stage, shape, batch, True, 29700, lambda line: None)
+    assert record["status"] == "failed (exit 1)" and "images_per_sec" not in record
+    assert record["note"] == ("FAIL: unknown config key 'model.patch_size' -> did you mean "
+                              "'model.intermediate_size'?")
+    assert "data.dir=work/random_images_32px_10_64 model.type=vit" in record["command"]
+
+
+def test_bench_reads_our_images_per_sec_over_the_window_like_tokens_per_sec():
+    bench = load_bench()
+    # steps 3-4 at 100 images/s (2 x 32 images: 0.64 s), steps 5-6 at 400 (0.16 s); 2 skipped
+    records = [{"kind": "train", "step": step, "images_per_sec": rate, "mfu": rate / 1000,
+                "mem_peak_gib": step / 2} for step, rate in [(2, 1.0), (4, 100.0), (6, 400.0)]]
+    ours = bench.read_our_metrics(records, skip_steps=2, images_per_step=32)
+    assert ours["images_per_sec"] == pytest.approx(128 / 0.8) and "tokens_per_sec" not in ours
+    assert ours["mfu"] == pytest.approx((0.1 * 0.64 + 0.4 * 0.16) / 0.8) and ours["peak_mem_gib"] == 3.0
+    assert ours["images_per_sec_max_over_min"] == 4.0 and ours["window"] == "steps 3-6"

@@ -5,6 +5,7 @@
     python3 bench/bench.py --stages metrics_cost_shapeA_1gpu  # the metrics on vs off
     python3 bench/bench.py --stages two_nodes_shapeA_2gpu   # 2 GPUs as 2 nodes: sockets vs NVLink
     python3 bench/bench.py --stages reference_shapeA_1gpu   # ours vs train_ddp.py of 850740a
+    python3 bench/bench.py --stages vit_1gpu                # ViT-B/16: ours vs timm, HF Trainer
     python3 bench/bench.py --tiny                           # CPU plumbing check: tiny, fp32
     python3 bench/bench.py --record DIR [DIR ...]           # add earlier calls' results to bench/
 
@@ -19,13 +20,19 @@ bench/RESULTS.md and results.jsonl to bench/results.jsonl (not with --tiny or --
 nanoGPT is not part of this repository: its checkout is read from $NANOGPT_DIR (default
 .baselines/nanoGPT, ignored by git):
     git clone https://github.com/karpathy/nanoGPT .baselines/nanoGPT
+Nor is timm's benchmark.py (the timm package does not ship it): it is read from $TIMM_DIR (default
+.baselines/timm), with its commit in a COMMIT file beside it:
+    git clone https://github.com/huggingface/pytorch-image-models /tmp/timm &&
+    mkdir -p .baselines/timm && cp /tmp/timm/benchmark.py .baselines/timm/ &&
+    git -C /tmp/timm rev-parse HEAD > .baselines/timm/COMMIT
 
-Read STAGES first (what runs), then run_ours, run_nanogpt and hf_trainer_worker (how each side is
-launched and read), then figures (what is compared, and how).
+Read STAGES first (what runs), then run_ours, run_nanogpt, run_timm and hf_trainer_worker (how each
+side is launched and read), then figures (what is compared, and how).
 """
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import os
 import re
@@ -42,6 +49,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 NANOGPT_DIR = Path(os.environ.get("NANOGPT_DIR", REPO / ".baselines" / "nanoGPT")).resolve()
+TIMM_DIR = Path(os.environ.get("TIMM_DIR", REPO / ".baselines" / "timm")).resolve()
 OUT = Path(os.environ.get("OUT") or REPO / "bench" / "out")
 WORK_DIR = REPO / "out" / "bench"  # run directories and random-token data: large, so not under $OUT
 
@@ -63,6 +71,17 @@ TINY_SHAPES = {
 TINY_BATCH = {"vocab_size": 8192, "seq_len": 64, "micro_batch_size": 4, "global_batch_size": 16}
 SHAPE_STAGES = ("shapeA_1gpu", "shapeB_1gpu", "shapeA_2gpu", "shapeB_2gpu")  # the table vs nanoGPT
 BERT_BATCH = {"seq_len": 512, "micro_batch_size": 32, "global_batch_size": 256}  # the bert_* stages
+# The image stages: ViT-B/16 at 224 x 224, 1,000 classes, one micro-batch of 256 images a step.
+# train_images: random_image_data's train split; the sides loop over it (a step does the same work
+# on any images).
+VIT_SHAPE = {"n_layer": 12, "n_head": 12, "n_embd": 768, "intermediate_size": 3072,
+             "patch_size": 16, "image_size": 224, "classes": 1000}
+VIT_BATCH = {"micro_batch_size": 256, "global_batch_size": 256, "train_images": 8192,
+             "val_images": 512}
+TINY_VIT_SHAPE = {"n_layer": 2, "n_head": 4, "n_embd": 64, "intermediate_size": 256,
+                  "patch_size": 4, "image_size": 32, "classes": 10}
+TINY_VIT_BATCH = {"micro_batch_size": 32, "global_batch_size": 32, "train_images": 1024,
+                  "val_images": 256}
 
 # steps: optimizer steps each side runs; skip_steps: the first steps left out of the figures
 # (compile, allocator warm-up). The window (skip_steps, steps] is the same for every side of a
@@ -203,6 +222,12 @@ STAGES = {
                             "steps": 70, "skip_steps": 20, "log_every": 10, "timeout_s": 210,
                             "mlm": True, "batch": {**BERT_BATCH, "micro_batch_size": 64},
                             "extra": ["model.type=bert"]},
+    # ViT-B/16 (VIT_SHAPE, VIT_BATCH), bf16, compiled, on random images (random_image_data): ours
+    # against timm's own train benchmark (run_timm) and the HF Trainer on transformers'
+    # ViTForImageClassification (hf_trainer_vit_worker)
+    "vit_1gpu": {"sides": ["ours", "timm", "hf_trainer_vit"], "images": True, "gpus": 1,
+                 "steps": 300, "skip_steps": 30, "log_every": 10, "timeout_s": 190,
+                 "budget_s": 540},
 }
 # the tiered run with the allocator's expandable segments: the number of cold rows a step holds
 # varies, so its GPU tensors change size at every step, which can fragment the cache
@@ -302,12 +327,19 @@ COMM_KEYS = ["comm_exposed_ms", "allreduce_p50_ms", "allreduce_p95_ms"]  # None 
 # The trainer's config keys this script sets (config.yaml): change them here if the trainer
 # renames one.
 def our_overrides(shape, batch, steps, log_every, run_dir, tiny):
+    if "patch_size" in shape:  # a ViT: the image size and the classes are the data's (meta.json)
+        model = ["model.type=vit", f"model.n_layer={shape['n_layer']}",
+                 f"model.n_head={shape['n_head']}", f"model.n_embd={shape['n_embd']}",
+                 f"model.intermediate_size={shape['intermediate_size']}",
+                 f"model.patch_size={shape['patch_size']}"]
+    else:
+        model = [
+            f"model.n_layer={shape['n_layer']}", f"model.n_head={shape['n_head']}",
+            f"model.n_embd={shape['n_embd']}",
+            # not read by the trainer (the vocabulary is the data's): run_ours checks the logged one
+            f"data.vocab_size={batch['vocab_size']}", f"train.seq_len={batch['seq_len']}"]
     return [
-        f"model.n_layer={shape['n_layer']}", f"model.n_head={shape['n_head']}",
-        f"model.n_embd={shape['n_embd']}",
-        # not read by the trainer (the vocabulary is the data's): run_ours checks the logged one
-        f"data.vocab_size={batch['vocab_size']}",
-        f"train.seq_len={batch['seq_len']}", f"train.micro_batch_size={batch['micro_batch_size']}",
+        *model, f"train.micro_batch_size={batch['micro_batch_size']}",
         f"train.global_batch_size={batch['global_batch_size']}", f"train.max_steps={steps}",
         # validation at steps 0 and `steps` only, outside the window (the trainer's clock skips it)
         f"train.eval_every={steps}", "train.eval_batches=1",
@@ -340,6 +372,29 @@ def nanogpt_flags(shape, batch, steps, run_dir, data_dir, tiny):
     ]
 
 
+VIT_B16 = {"n_layer": 12, "n_head": 12, "n_embd": 768, "intermediate_size": 3072,
+           "patch_size": 16, "image_size": 224}  # timm's vit_base_patch16_224
+
+
+def timm_flags(shape, batch, steps, skip_steps, tiny):
+    """timm's benchmark.py --bench train: skip_steps steps of warm-up (compiling), then the other
+    steps timed by its own clock."""
+    flags = ["--bench", "train", "--model", "vit_base_patch16_224",
+             "--batch-size", str(batch["micro_batch_size"]), "--img-size", str(shape["image_size"]),
+             "--num-classes", str(shape["classes"]),
+             "--opt", "adamw",  # as ours; its default is SGD
+             "--num-warm-iter", str(skip_steps), "--num-bench-iter", str(steps - skip_steps),
+             "--no-retry"]  # else an out-of-memory batch is retried smaller
+    if any(shape[key] != VIT_B16[key] for key in VIT_B16):  # --tiny's ViT: the same name, resized
+        flags += ["--model-kwargs", f"depth={shape['n_layer']}", f"embed_dim={shape['n_embd']}",
+                  f"num_heads={shape['n_head']}",
+                  f"mlp_ratio={shape['intermediate_size'] / shape['n_embd']}",
+                  f"patch_size={shape['patch_size']}", f"img_size={shape['image_size']}"]
+    if tiny:
+        return flags + ["--device", "cpu"]  # float32, eager
+    return flags + ["--amp", "--amp-dtype", "bfloat16", "--torchcompile"]
+
+
 # ----------------------------------------------------------------------------- 2. machine
 
 def probe_machine():
@@ -347,10 +402,13 @@ def probe_machine():
     this one never holds a CUDA context while the sides run)."""
     cores = os.cpu_count()
     probe = (
-        "import json, platform, sys, torch, transformers\n"
+        "import importlib.util, json, platform, sys, torch, transformers\n"
         "info = {'python': platform.python_version(), 'torch': torch.__version__,\n"
         "        'cuda': torch.version.cuda, 'transformers': transformers.__version__,\n"
-        "        'nccl': None, 'peak_flops': None, 'gpu_names': []}\n"
+        "        'nccl': None, 'peak_flops': None, 'gpu_names': [], 'timm': None}\n"
+        "if importlib.util.find_spec('timm'):\n"
+        "    import timm\n"
+        "    info['timm'] = timm.__version__\n"
         "if torch.cuda.is_available():\n"
         "    info['nccl'] = '.'.join(map(str, torch.cuda.nccl.version()))\n"
         "    info['gpu_names'] = [torch.cuda.get_device_name(i)\n"
@@ -374,6 +432,7 @@ def probe_machine():
     info["machine"] = (f"{len(names)} × {names[0]}, {cores} cores" if names
                        else f"CPU only, {cores} cores")
     info["nanogpt_commit"] = nanogpt_commit()
+    info["timm_commit"] = baseline_commit(TIMM_DIR)  # of benchmark.py; info["timm"]: the package
     # the GPU tool's copy of the tree can carry an older .git than the files: set BENCH_COMMIT there
     info["repo_commit"] = (os.environ.get("BENCH_COMMIT")
                            or git_output(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"])
@@ -393,11 +452,18 @@ def git_output(command):
 
 
 def nanogpt_commit():
-    """A clone knows its commit; an exported snapshot (git archive) carries it in a COMMIT file."""
-    commit_file = NANOGPT_DIR / "COMMIT"
+    return baseline_commit(NANOGPT_DIR)
+
+
+def baseline_commit(folder):
+    """A clone knows its commit; an exported snapshot (git archive) or a copied file carries it in a
+    COMMIT file."""
+    commit_file = folder / "COMMIT"
     if commit_file.is_file():
         return commit_file.read_text().strip()
-    return git_output(["git", "-C", str(NANOGPT_DIR), "rev-parse", "HEAD"]) or "unknown"
+    if not (folder / ".git").exists():  # git -C would answer with this repository's commit
+        return "unknown"
+    return git_output(["git", "-C", str(folder), "rev-parse", "HEAD"]) or "unknown"
 
 
 # ----------------------------------------------------------------------------- 3. data
@@ -463,6 +529,66 @@ def zipf_token_data(vocab_size, tiny):
             "token_frequencies_file": "token_frequencies.npy"}
     (data_dir / "meta.json").write_text(json.dumps(meta))  # last: once it is there, all is written
     return data_dir
+
+
+def random_image_data(shape, batch):
+    """preprocess.py's image layout: meta.json and Arrow IPC files train-00000.arrow and
+    val-00000.arrow of uniform random uint8 RGB images (pixels: fixed_size_binary(size * size * 3),
+    row-major height, width, channel) and uniform random labels (int32). A step of fixed size does
+    the same work on any pixels."""
+    import hashlib
+
+    import pyarrow as pa  # only here: the trainer's data format
+
+    size, classes = shape["image_size"], shape["classes"]
+    image_bytes = size * size * 3
+    options = {"image_size": size, "classes": classes, "train": batch["train_images"],
+               "val": batch["val_images"], "seed": 1337}
+    data_dir = WORK_DIR / f"random_images_{size}px_{classes}_{batch['train_images']}"
+    if (data_dir / "meta.json").is_file():
+        return data_dir
+    data_dir.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(options["seed"])
+    schema = pa.schema([("pixels", pa.binary(image_bytes)), ("label", pa.int32())])
+    splits = {}
+    for split in ["train", "val"]:
+        images, name = options[split], f"{split}-00000.arrow"
+        with pa.ipc.new_file(str(data_dir / name), schema) as writer:
+            for first in range(0, images, 1024):  # in batches: 8,192 images at 224 px are 1.2 GB
+                count = min(1024, images - first)
+                pixels = rng.integers(0, 256, count * image_bytes, dtype=np.uint8)
+                pixels = pa.FixedSizeBinaryArray.from_buffers(
+                    pa.binary(image_bytes), count, [None, pa.py_buffer(pixels)])
+                labels = pa.array(rng.integers(0, classes, count, dtype=np.int32))
+                writer.write_batch(pa.record_batch([pixels, labels], schema=schema))
+        splits[split] = {"files": [name], "images": images}
+    meta = {"format_version": 1, "kind": "images", "image_size": size, "channels": 3,
+            "classes": [f"class_{index}" for index in range(classes)],
+            "mean": [0.5, 0.5, 0.5], "std": [0.29, 0.29, 0.29],  # uniform bytes: 0.5 and 0.29
+            "splits": splits, "skipped": {"count": 0, "examples": []},
+            "source": "bench.py random_image_data",
+            "fingerprint": hashlib.sha256(json.dumps(options, sort_keys=True).encode()).hexdigest()}
+    (data_dir / "meta.json").write_text(json.dumps(meta))  # last: once it is there, all is written
+    return data_dir
+
+
+def read_image_split(data_dir, split):
+    """(pixels as uint8 [images, height, width, 3], labels as int64 [images]) of a split, read
+    into memory."""
+    import pyarrow as pa
+
+    meta = json.loads((data_dir / "meta.json").read_text())
+    size = meta["image_size"]
+    pixels, labels = [], []
+    for name in meta["splits"][split]["files"]:
+        table = pa.ipc.open_file(pa.memory_map(str(data_dir / name))).read_all()
+        for chunk in table.column("pixels").chunks:  # a fixed-size binary array: one flat buffer
+            flat = np.frombuffer(chunk.buffers()[1], dtype=np.uint8)
+            start = chunk.offset * size * size * 3
+            pixels.append(flat[start:start + len(chunk) * size * size * 3])
+        labels.append(table.column("label").to_numpy())
+    pixels = np.concatenate(pixels).reshape(-1, size, size, 3)
+    return pixels, np.concatenate(labels).astype(np.int64)
 
 
 # ----------------------------------------------------------------------------- 4. running one side
@@ -699,6 +825,8 @@ def run_ours(stage_name, stage, shape, batch, tiny, port, log, side="ours"):
                 if stage.get("zipf_data") else None)
     if data_dir:
         overrides.append(f"data.dir={data_dir}")
+    if stage.get("images"):
+        overrides.insert(0, f"data.dir={random_image_data(shape, batch).relative_to(REPO)}")
     if side == "variant:at_47acc78":  # its config has no export key, and it checkpoints at the end
         overrides = [o for o in overrides if o not in ("checkpoint.every=0", "export=false")]
         overrides += [f"checkpoint.every={stage['steps']}", "log.sample_prompt="]
@@ -754,10 +882,22 @@ def run_ours(stage_name, stage, shape, batch, tiny, port, log, side="ours"):
     if metrics_path.is_file():
         records = [json.loads(line) for line in metrics_path.read_text().splitlines()
                    if line.strip()]
-        record.update(read_our_metrics(records, stage["skip_steps"]))
+        record.update(read_our_metrics(
+            records, stage["skip_steps"],
+            batch["global_batch_size"] if stage.get("images") else None))
+    elif status != "ok":
+        record["note"] = failure_note(output)
     for name in ["ckpt", "final"]:  # shape B's checkpoint is ~9 GB; the next stage needs the disk
         remove_tree(run_dir / name)
     return record
+
+
+def failure_note(output):
+    """Why a side failed: the last one-line error of the trainer or launch.sh, else the last
+    exception a traceback named."""
+    errors = (re.findall(r"(?:^error: |\bFAIL: ).*$", output, re.MULTILINE)
+              or re.findall(r"^\w+(?:Error|Exception): .*$", output, re.MULTILINE))
+    return errors[-1][:300] if errors else None
 
 
 def run_stress(stage_name, stage, shape, batch, tiny, port, log, side="stress"):
@@ -785,21 +925,24 @@ def run_stress(stage_name, stage, shape, batch, tiny, port, log, side="stress"):
     return record
 
 
-def read_our_metrics(records, skip_steps):
+def read_our_metrics(records, skip_steps, images_per_step=None):
     """tokens/s over the steps after skip_steps: the window's tokens over its wall time. Each
     "train" record covers the steps since the previous one; its time is its tokens over its
-    tokens_per_sec."""
+    tokens_per_sec. An image model (images_per_step given): images/s, the same way, each step's
+    images being images_per_step."""
+    rate_key = "images_per_sec" if images_per_step else "tokens_per_sec"
     train = [r for r in records if r.get("kind") == "train"]
-    tokens = seconds = mfu_seconds = wait_seconds = 0.0
-    previous_tokens = previous_step = steps = 0  # a fresh run: run_ours empties its run directory
+    done = seconds = mfu_seconds = wait_seconds = 0.0
+    previous_done = previous_step = steps = 0  # a fresh run: run_ours empties its run directory
     window, has_wait, comm = [], True, {key: [] for key in COMM_KEYS}
     for r in train:
-        interval_tokens, previous_tokens = r["tokens_seen"] - previous_tokens, r["tokens_seen"]
+        seen = r["step"] * images_per_step if images_per_step else r["tokens_seen"]
+        interval_done, previous_done = seen - previous_done, seen
         interval_steps, previous_step = r["step"] - previous_step, r["step"]
         if r["step"] <= skip_steps:
             continue
-        interval_s = interval_tokens / r["tokens_per_sec"]
-        tokens += interval_tokens
+        interval_s = interval_done / r[rate_key]
+        done += interval_done
         steps += interval_steps
         seconds += interval_s
         mfu_seconds += (r.get("mfu") or 0.0) * interval_s  # null where the trainer has no MFU
@@ -812,21 +955,21 @@ def read_our_metrics(records, skip_steps):
     # the trainer's memory accounting at step 2: its prediction and the allocator's figures (bytes)
     memory = next((r for r in records if r.get("kind") == "memory"), None)
     if not seconds:
-        return {"tokens_per_sec": None, "note": f"no logged interval after step {skip_steps}",
+        return {rate_key: None, "note": f"no logged interval after step {skip_steps}",
                 "memory": memory}
 
     def last(key):  # the value at the window's last log line that has one
         return next((r[key] for r in reversed(train) if r.get(key) is not None), None)
 
     gpu_utils = [r["gpu_util"] for r in window if r.get("gpu_util") is not None]
-    interval_rates = [r["tokens_per_sec"] for r in window]
+    interval_rates = [r[rate_key] for r in window]
     interval_mfus = [r["mfu"] for r in window if r.get("mfu")]
     return {
-        "tokens_per_sec": tokens / seconds,
+        rate_key: done / seconds,
         "steps_per_sec": steps / seconds,
         # how steady: the window's fastest interval over its slowest (1.0 = all alike). A masked
         # LM's tokens per step vary with the documents; MFU counts the padded work: the GPU's spread
-        "tokens_per_sec_max_over_min": max(interval_rates) / min(interval_rates),
+        f"{rate_key}_max_over_min": max(interval_rates) / min(interval_rates),
         "mfu_max_over_min": max(interval_mfus) / min(interval_mfus) if interval_mfus else None,
         "mfu": mfu_seconds / seconds if any(r.get("mfu") is not None for r in train) else None,
         "data_wait_fraction": wait_seconds / seconds if has_wait else None,
@@ -907,6 +1050,72 @@ def run_nanogpt(stage_name, stage, shape, batch, tiny, port, log, micro_batch_si
     return record
 
 
+# benchmark.py run as it is, then the allocator's peak: its own output has no memory figure
+TIMM_RUNNER = ('import runpy, sys, torch; sys.argv = sys.argv[1:]; '
+               'runpy.run_path(sys.argv[0], run_name="__main__"); '
+               'print("TIMM_PEAK_MEM_GIB", torch.cuda.max_memory_allocated() / 2**30 '
+               'if torch.cuda.is_available() else None)')
+
+
+def run_timm(stage_name, stage, shape, batch, tiny, port, log):
+    """timm's own train benchmark (timm_flags): its create_model, the model compiled, bf16
+    autocast, AdamW, one random input batch made on the GPU once and used at every step (no data
+    loading), random labels, no gradient clipping."""
+    if not (TIMM_DIR / "benchmark.py").is_file():
+        return {"status": "missing", "note": (
+            f"no benchmark.py in {TIMM_DIR} -> copy it from timm's repository as bench/bench.py's "
+            "docstring says (or set TIMM_DIR); an offline machine needs it carried there")}
+    if importlib.util.find_spec("timm") is None:
+        return {"status": "skipped: the timm package is not installed (pip install timm)"}
+    command = [sys.executable, "-c", TIMM_RUNNER, "benchmark.py",
+               *timm_flags(shape, batch, stage["steps"], stage["skip_steps"], tiny)]
+    env_extra = device_env(1, tiny)
+    status, output, seconds = run_process(command, TIMM_DIR, env_extra, stage["timeout_s"], log)
+    record = {"command": shell_text(command, env_extra, TIMM_DIR).replace(sys.executable,
+                                                                          "python3"),
+              "status": status, "seconds": round(seconds, 1)}
+    record.update(read_timm_output(output, stage["skip_steps"], batch["micro_batch_size"]))
+    if status != "ok":
+        record["note"] = "; ".join(n for n in [record["note"], failure_note(output)] if n)
+    return record
+
+
+TIMM_INTERVAL_LINE = re.compile(r"^Train \[(\d+)/(\d+)\]\. ([\d.]+) samples/sec\. ([\d.]+) ms/step",
+                                re.MULTILINE)
+TIMM_DONE_LINE = re.compile(r"^Train benchmark of \S+ done\. ([\d.]+) samples/sec", re.MULTILINE)
+
+
+def read_timm_output(output, skip_steps, batch_size):
+    """benchmark.py logs `Train [i/n]. S samples/sec. T ms/step.` five times over its n timed steps
+    (S: the images so far over the sum of their step times), then `Train benchmark of M done.`, then
+    prints `--result` and a JSON object. Its train_samples_per_sec, the timed steps' images over
+    their wall time, is the figure; the done line's is the same number, read if no JSON came."""
+    intervals = [{"step": skip_steps + int(done), "samples_per_sec": float(rate),
+                  "ms_per_step": float(ms)}
+                 for done, _, rate, ms in TIMM_INTERVAL_LINE.findall(output)]
+    result = {}
+    if "\n--result" in output:
+        with contextlib.suppress(json.JSONDecodeError):
+            result = json.JSONDecoder().raw_decode(output.rsplit("\n--result", 1)[1].lstrip())[0]
+    if isinstance(result, list):  # a list of models' results
+        result = result[0] if result else {}
+    done_lines = TIMM_DONE_LINE.findall(output)
+    rate = result.get("train_samples_per_sec") or (float(done_lines[-1]) if done_lines else None)
+    timed = [int(n) for _, n, _, _ in TIMM_INTERVAL_LINE.findall(output)]
+    peak = re.findall(r"^TIMM_PEAK_MEM_GIB (\S+)$", output, re.MULTILINE)
+    record = {"images_per_sec": rate, "timm_result": result or None, "timm_intervals": intervals,
+              "peak_mem_gib": float(peak[-1]) if peak and peak[-1] != "None" else None}
+    if rate and timed:
+        record["window"] = f"steps {skip_steps + 1}-{skip_steps + timed[-1]}"
+        record["window_s"] = round(timed[-1] * batch_size / rate, 2)
+    notes = [f"timm: {result['error']}" if result.get("error") else None,
+             f"timm ran batches of {result['train_batch_size']}, not {batch_size}"
+             if result.get("train_batch_size") not in (None, batch_size) else None,
+             None if rate else "no samples/sec in its output"]
+    record["note"] = "; ".join(note for note in notes if note) or None
+    return record
+
+
 def gpt2_config(shape, batch):
     """The stage's GPT-2, built here (no download), as train_ddp.py builds it: no dropout, no
     key/value cache."""
@@ -918,9 +1127,9 @@ def gpt2_config(shape, batch):
 
 
 def run_hf_trainer(stage_name, stage, shape, batch, tiny, port, log):
-    """The worker runs in a child process (see hf_trainer_worker) so a timeout can end it like any
-    side."""
-    compiled = stage["sides"][0].endswith("compiled")
+    """The worker runs in a child process (see hf_trainer_worker, hf_trainer_vit_worker) so a
+    timeout can end it like any side."""
+    compiled = hf_compiles(stage, tiny)
     command = [sys.executable, "bench/bench.py", "--hf-trainer-worker", stage_name]
     if tiny:
         command.append("--tiny")
@@ -932,19 +1141,63 @@ def run_hf_trainer(stage_name, stage, shape, batch, tiny, port, log):
     result_lines = re.findall(r"^HF_TRAINER_RESULT (.*)$", output, re.MULTILINE)
     if result_lines:
         record.update(json.loads(result_lines[-1]))
+    elif status != "ok":
+        record["note"] = failure_note(output)
     return record
+
+
+def hf_compiles(stage, tiny):
+    """hf_trainer_compiled compiles, on a CPU too; the ViT side on a GPU only"""
+    return not tiny if stage.get("images") else stage["sides"][0].endswith("compiled")
+
+
+def window_clock(stage):
+    """A Trainer callback that reads a CUDA-synchronized clock at the end of step skip_steps and of
+    the last step: without the synchronization the clock would be read while the GPU still has
+    queued work."""
+    import torch
+    from transformers import TrainerCallback
+
+    class WindowClock(TrainerCallback):
+        start = end = None
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step in (stage["skip_steps"], stage["steps"]):
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                now = time.perf_counter()
+                if state.global_step == stage["skip_steps"]:
+                    self.start = now
+                else:
+                    self.end = now
+
+    return WindowClock()
+
+
+def hf_training_arguments(stage_name, stage, batch, tiny, **extra):
+    """As ours: config.yaml's optim; bf16 on a GPU; no evaluation, saving or logging."""
+    import torch
+    from transformers import TrainingArguments
+
+    on_gpu = torch.cuda.is_available() and not tiny
+    return TrainingArguments(
+        output_dir=str(WORK_DIR / stage_name / "hf_trainer"), max_steps=stage["steps"],
+        per_device_train_batch_size=batch["micro_batch_size"],
+        gradient_accumulation_steps=batch["global_batch_size"] // batch["micro_batch_size"],
+        learning_rate=6e-4, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, max_grad_norm=1.0,
+        lr_scheduler_type="cosine", warmup_steps=min(50, stage["steps"] // 4),
+        bf16=on_gpu, tf32=True if on_gpu else None, torch_compile=hf_compiles(stage, tiny),
+        use_cpu=not on_gpu, eval_strategy="no", save_strategy="no", logging_strategy="no",
+        report_to="none", disable_tqdm=True, dataloader_drop_last=True, seed=1337, **extra)
 
 
 def hf_trainer_worker(stage_name, tiny):
     """transformers.Trainer on the stage's shape and the random tokens: gpt2_config (no
-    download), bf16, no evaluation, saving or logging. A callback reads a CUDA-synchronized clock at
-    the end of step skip_steps and of the last step: without the synchronization the clock would be
-    read while the GPU still has queued work."""
+    download), hf_training_arguments, timed by window_clock."""
     import torch
-    from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
+    from transformers import AutoModelForCausalLM, Trainer
 
     stage, shape, batch = stage_settings(stage_name, tiny)
-    compiled = stage["sides"][0].endswith("compiled")
     data_dir = random_token_data(batch, tiny)
     seq_len = batch["seq_len"]
 
@@ -960,35 +1213,11 @@ def hf_trainer_worker(stage_name, tiny):
             block = torch.from_numpy(block)
             return {"input_ids": block, "labels": block}  # the model shifts labels itself
 
-    class WindowClock(TrainerCallback):
-        start = end = None
-
-        def on_step_end(self, args, state, control, **kwargs):
-            if state.global_step in (stage["skip_steps"], stage["steps"]):
-                if torch.cuda.is_available():
-                    torch.cuda.synchronize()
-                now = time.perf_counter()
-                if state.global_step == stage["skip_steps"]:
-                    self.start = now
-                else:
-                    self.end = now
-
     config = gpt2_config(shape, batch)
     torch.manual_seed(1337)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-    on_gpu = torch.cuda.is_available() and not tiny
-    args = TrainingArguments(
-        output_dir=str(WORK_DIR / stage_name / "hf_trainer"), max_steps=stage["steps"],
-        per_device_train_batch_size=batch["micro_batch_size"],
-        gradient_accumulation_steps=batch["global_batch_size"] // batch["micro_batch_size"],
-        learning_rate=6e-4, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, max_grad_norm=1.0,
-        # as ours: config.yaml's optim
-        lr_scheduler_type="cosine", warmup_steps=min(50, stage["steps"] // 4),
-        bf16=on_gpu, tf32=True if on_gpu else None, torch_compile=compiled, use_cpu=not on_gpu,
-        eval_strategy="no", save_strategy="no", logging_strategy="no", report_to="none",
-        disable_tqdm=True, dataloader_drop_last=True, seed=1337,
-    )
-    clock = WindowClock()
+    args = hf_training_arguments(stage_name, stage, batch, tiny)
+    clock = window_clock(stage)
     trainer = Trainer(model=model, args=args, train_dataset=TokenBlocks(data_dir / "train.bin"),
                       callbacks=[clock])
     trainer.train()
@@ -998,6 +1227,69 @@ def hf_trainer_worker(stage_name, tiny):
               "window": f"steps {stage['skip_steps'] + 1}-{stage['steps']}",
               "window_s": round(seconds, 2),
               "optim": getattr(args.optim, "value", str(args.optim)), "attention": "sdpa"}
+    print("HF_TRAINER_RESULT " + json.dumps(result), flush=True)
+
+
+def vit_config(shape):
+    """The stage's ViT as transformers' ViTConfig (no download), without dropout."""
+    from transformers import ViTConfig
+    return ViTConfig(hidden_size=shape["n_embd"], num_hidden_layers=shape["n_layer"],
+                     num_attention_heads=shape["n_head"],
+                     intermediate_size=shape["intermediate_size"], patch_size=shape["patch_size"],
+                     image_size=shape["image_size"], num_channels=3, num_labels=shape["classes"],
+                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+
+
+def hf_trainer_vit_worker(stage_name, tiny):
+    """transformers.Trainer on ViTForImageClassification of the stage's shape (vit_config), on
+    random_image_data's train split through a torch Dataset: uint8 images go to the GPU, which
+    makes them float and normalizes them by meta.json's mean and std (in the compiled forward).
+    hf_training_arguments with 4 loader processes on a GPU, timed by window_clock."""
+    import torch
+    from transformers import Trainer, ViTForImageClassification
+
+    stage, shape, batch = stage_settings(stage_name, tiny)
+    data_dir = random_image_data(shape, batch)
+    meta = json.loads((data_dir / "meta.json").read_text())
+    pixels, labels = read_image_split(data_dir, "train")
+
+    class Images(torch.utils.data.Dataset):
+        def __len__(self):
+            return len(labels)
+
+        def __getitem__(self, index):
+            return {"pixel_values": torch.from_numpy(pixels[index]), "labels": int(labels[index])}
+
+    # the name ends as ViTForImageClassification's does: transformers picks the loss by it
+    class ViTOnBytesForImageClassification(ViTForImageClassification):
+        """Takes uint8 images [batch, height, width, 3]."""
+
+        def forward(self, pixel_values, labels=None, **kwargs):
+            images = pixel_values.permute(0, 3, 1, 2).float()
+            images = (images - self.pixel_mean) / self.pixel_std
+            return super().forward(pixel_values=images, labels=labels, **kwargs)
+
+    torch.manual_seed(1337)
+    config = vit_config(shape)
+    config._attn_implementation = "sdpa"
+    model = ViTOnBytesForImageClassification(config)
+    for name, values in [("pixel_mean", meta["mean"]), ("pixel_std", meta["std"])]:
+        model.register_buffer(name, 255 * torch.tensor(values).view(1, 3, 1, 1), persistent=False)
+    on_gpu = torch.cuda.is_available() and not tiny
+    args = hf_training_arguments(stage_name, stage, batch, tiny,
+                                 dataloader_num_workers=4 if on_gpu else 0,
+                                 dataloader_persistent_workers=on_gpu)
+    clock = window_clock(stage)
+    trainer = Trainer(model=model, args=args, train_dataset=Images(), callbacks=[clock])
+    trainer.train()
+    window_steps = stage["steps"] - stage["skip_steps"]
+    seconds = clock.end - clock.start
+    result = {"images_per_sec": window_steps * batch["global_batch_size"] / seconds,
+              "window": f"steps {stage['skip_steps'] + 1}-{stage['steps']}",
+              "window_s": round(seconds, 2), "optim": getattr(args.optim, "value", str(args.optim)),
+              "attention": model.config._attn_implementation,
+              "parameters_millions": round(sum(p.numel() for p in model.parameters()) / 1e6, 1),
+              "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if on_gpu else None}
     print("HF_TRAINER_RESULT " + json.dumps(result), flush=True)
 
 
@@ -1074,7 +1366,8 @@ def dataparallel_worker(stage_name, tiny):
 SIDE_RUNNERS = {"dataparallel": run_dataparallel, "ours": run_ours, "ours_fsdp": run_ours,
                 "ours_tiered": run_ours, "nanogpt": run_nanogpt,
                 "nanogpt_micro32": lambda *args: run_nanogpt(*args, micro_batch_size=32),
-                "hf_trainer": run_hf_trainer, "hf_trainer_compiled": run_hf_trainer}
+                "hf_trainer": run_hf_trainer, "hf_trainer_compiled": run_hf_trainer,
+                "hf_trainer_vit": run_hf_trainer, "timm": run_timm}
 
 
 # ----------------------------------------------------------------------------- 6. figures
@@ -1294,7 +1587,70 @@ def figures(stage_records):
             f"each node in its own network namespace, NCCL via {transports_text(over_veth)}"
             + ("; the baseline ran on another day" if other_day else ""))
     reference_figures(by_stage, row)
+    vit_figures(by_stage.get("vit_1gpu", {}), row)
     return rows
+
+
+def timm_label(record):
+    return (f"timm's benchmark.py @{(record.get('timm_commit') or 'unknown')[:7]} (timm "
+            f"{record.get('timm')}), vit_base_patch16_224, same batch, same call")
+
+
+def hf_vit_label(record):
+    return ("HF Trainer, transformers' ViTForImageClassification of the same shape, same batch"
+            + (", torch_compile=True" if record.get("compiled") else "") + ", same call")
+
+
+def vit_figures(sides, row):
+    """ViT-B/16 on one GPU: ours against timm's benchmark and the HF Trainer, images/s and peak
+    memory, and ours' MFU."""
+    if not sides:
+        return
+    ours, timm, hf = (sides.get(name) or {} for name in ["ours", "timm", "hf_trainer_vit"])
+    source = ours or timm or hf
+    timm_note = ("timm: one random input batch made on its device, reused at every step (no data "
+                 "loading), no gradient clipping")
+    for name, baseline, label, note in [("timm", timm, timm_label(source), timm_note),
+                                        ("hf_trainer", hf, hf_vit_label(hf), None)]:
+        row(f"vit_b16_1gpu_vs_{name}_images_per_sec", ours.get("images_per_sec"), "images/s",
+            label, baseline.get("images_per_sec"), ours.get("command"), baseline.get("command"),
+            source, "; ".join(n for n in [note, ours.get("note"), baseline.get("note")] if n)
+            or None)
+        row(f"vit_b16_1gpu_vs_{name}_peak_mem_gib", ours.get("peak_mem_gib"),
+            "GiB (torch.cuda.max_memory_allocated)", label, baseline.get("peak_mem_gib"),
+            ours.get("command"), baseline.get("command"), source,
+            None if baseline.get("peak_mem_gib") is not None else f"{name} reported no peak")
+    row("vit_b16_1gpu_mfu", ours.get("mfu"),
+        "fraction of peak dense bf16 FLOP/s (train_ddp.py's count)", None, None,
+        ours.get("command"), None, source)
+
+
+def vit_table(by_stage):
+    sides = by_stage.get("vit_1gpu", {})
+    if not sides:
+        return []
+    ours_ips = (sides.get("ours") or {}).get("images_per_sec")
+    first = next(iter(sides.values()))
+    shape, batch = (TINY_VIT_SHAPE, TINY_VIT_BATCH) if first.get("tiny") else (VIT_SHAPE,
+                                                                                VIT_BATCH)
+    lines = ["", f"ViT of {shape['n_layer']} layers, width {shape['n_embd']}, patches of "
+             f"{shape['patch_size']} at {shape['image_size']} x {shape['image_size']}, "
+             f"{shape['classes']:,} classes, batches of {batch['global_batch_size']} images, "
+             + ("fp32, eager, on a CPU" if first.get("tiny") else "bf16, compiled, 1 GPU")
+             + ". images/s: the images of the steps after the warm-up window / their wall time "
+             "(ours: its metrics.jsonl intervals; timm: "
+             f"{timm_label(first)}, its own clock; HF Trainer: a CUDA-synchronized clock at two "
+             "step ends). Ours and the HF Trainer read random uint8 images (bench.py "
+             "random_image_data); timm makes one random batch on its device. Peak memory: "
+             "torch.cuda.max_memory_allocated (timm: read after its run ends).", "",
+             "| side | window | images/s | ours / side | MFU (reported) | peak mem GiB | status |",
+             "|---|---|---|---|---|---|---|"]
+    for name, r in sides.items():
+        lines.append(f"| {name} | {r.get('window', '—')} | {number(r.get('images_per_sec'))} "
+                     f"| {number(ratio(ours_ips, r.get('images_per_sec')), 3)} "
+                     f"| {percent(r.get('mfu'))} | {number(r.get('peak_mem_gib'), 1)} "
+                     f"| {r.get('status')}{'; ' + r['note'] if r.get('note') else ''} |")
+    return lines
 
 
 def reference_figures(by_stage, row):
@@ -1538,8 +1894,10 @@ def summary_markdown(stage_records, rows):
     by_stage = sides_by_stage(stage_records)
     lines += nanogpt_table(by_stage)
     lines += sides_table([r for r in stage_records if r["stage"] not in SHAPE_STAGES
-                          and not r["stage"].startswith("hf_")])
+                          and not r["stage"].startswith("hf_")
+                          and not STAGES.get(r["stage"], {}).get("images")])
     lines += hf_trainer_table(by_stage)
+    lines += vit_table(by_stage)
     lines += row_list("Gradient reducers and bf16 compression, 2 GPUs",
                       [row for row in rows
                        if row["metric"].startswith(("shapeA_2gpu_ours_", "shapeB_2gpu_ours_"))],
@@ -1572,7 +1930,7 @@ def sides_against_nanogpt(name, sides):
     if name in SHAPE_STAGES:
         return [side for side in sides if not side.startswith("nanogpt")]
     stage = STAGES.get(name, {})
-    if "ours" not in sides or stage.get("zipf_data") or stage.get("mlm"):
+    if "ours" not in sides or stage.get("zipf_data") or stage.get("mlm") or stage.get("images"):
         return []
     return ["ours"]
 
@@ -1688,7 +2046,7 @@ def summary_notes(stage_records, rows, by_stage):
     notes += [f"- {name}: every side reads {r.get('data_dir')} (random tokens whose frequencies "
               "follow Zipf's law, bench.py zipf_token_data), not data/stdlib"
               for name, sides in by_stage.items() for r in list(sides.values())[:1]
-              if r.get("data_dir")]
+              if r.get("data_dir") and STAGES.get(name, {}).get("zipf_data")]
     notes += [f"- {row['metric']}: {number(row['value'], 3)} (baseline "
               f"{number(row['baseline_value'], 3)})" + (f"; {row['note']}" if row["note"] else "")
               for row in rows if row["metric"].startswith("tiered_")]
@@ -1736,6 +2094,9 @@ def stage_settings(stage_name, tiny):
     stage = dict(STAGES[stage_name])
     if tiny:
         stage.update(TINY_STEPS)
+    if stage.get("images"):
+        return stage, dict(TINY_VIT_SHAPE if tiny else VIT_SHAPE), dict(
+            TINY_VIT_BATCH if tiny else VIT_BATCH)
     shape = (TINY_SHAPES if tiny else SHAPES)[stage.get("shape", "A") if not tiny else "A"]
     batch = dict(TINY_BATCH if tiny else BATCH)
     if not tiny:
@@ -1747,7 +2108,7 @@ def stage_settings(stage_name, tiny):
 
 
 MACHINE_KEYS = ["machine", "torch", "cuda", "nccl", "transformers", "python", "nanogpt_commit",
-                "repo_commit", "nccl_nvls_enable", "invocation"]
+                "timm", "timm_commit", "repo_commit", "nccl_nvls_enable", "invocation"]
 
 
 def run_stage(stage_name, tiny, machine, timeout_s, port, log, keep):
@@ -1796,12 +2157,14 @@ def run_stage(stage_name, tiny, machine, timeout_s, port, log, keep):
             if side.startswith("netns:"):
                 remove_two_hosts()
         record = {**base, "side": side, **record}
-        # the formula counts a causal step of fixed length: a masked LM has the trainer's MFU only
+        # the formula counts a causal step of fixed length: a masked LM or a ViT has the trainer's
+        # MFU only
         record["mfu_by_our_formula"] = (
-            None if stage.get("mlm")
+            None if stage.get("mlm") or stage.get("images")
             else mfu_by_our_formula(record, shape, batch, stage["gpus"], machine["peak_flops"]))
-        log(f"=== {stage_name} / {side}: {record['status']}, tokens/s "
-            f"{number(record.get('tokens_per_sec'))} ({record.get('window', 'no window')}), "
+        unit = "images" if stage.get("images") else "tokens"
+        log(f"=== {stage_name} / {side}: {record['status']}, {unit}/s "
+            f"{number(record.get(f'{unit}_per_sec'))} ({record.get('window', 'no window')}), "
             f"{record.get('seconds')} s in all")
         records.append(keep(record))
     return records
@@ -1826,7 +2189,9 @@ def main():
     args = parser.parse_args()
 
     if args.hf_trainer_worker:
-        hf_trainer_worker(args.hf_trainer_worker, args.tiny)
+        worker = (hf_trainer_vit_worker if STAGES[args.hf_trainer_worker].get("images")
+                  else hf_trainer_worker)
+        worker(args.hf_trainer_worker, args.tiny)
         return
     if args.dataparallel_worker:
         dataparallel_worker(args.dataparallel_worker, args.tiny)
