@@ -76,7 +76,7 @@ BERT_BATCH = {"seq_len": 512, "micro_batch_size": 32, "global_batch_size": 256} 
 # on any images).
 VIT_SHAPE = {"n_layer": 12, "n_head": 12, "n_embd": 768, "intermediate_size": 3072,
              "patch_size": 16, "image_size": 224, "classes": 1000}
-VIT_BATCH = {"micro_batch_size": 256, "global_batch_size": 256, "train_images": 8192,
+VIT_BATCH = {"micro_batch_size": 256, "global_batch_size": 256, "train_images": 4096,
              "val_images": 512}
 TINY_VIT_SHAPE = {"n_layer": 2, "n_head": 4, "n_embd": 64, "intermediate_size": 256,
                   "patch_size": 4, "image_size": 32, "classes": 10}
@@ -226,8 +226,8 @@ STAGES = {
     # against timm's own train benchmark (run_timm) and the HF Trainer on transformers'
     # ViTForImageClassification (hf_trainer_vit_worker)
     "vit_1gpu": {"sides": ["ours", "timm", "hf_trainer_vit"], "images": True, "gpus": 1,
-                 "steps": 300, "skip_steps": 30, "log_every": 10, "timeout_s": 190,
-                 "budget_s": 540},
+                 "steps": 120, "skip_steps": 40, "log_every": 10, "timeout_s": 110,
+                 "budget_s": 260},
 }
 # the tiered run with the allocator's expandable segments: the number of cold rows a step holds
 # varies, so its GPU tensors change size at every step, which can fragment the cache
