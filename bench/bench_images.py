@@ -60,12 +60,13 @@ def pipeline(root, size, workers):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dir", default="/tmp/bench_images", help="(%(default)s)")
+    parser.add_argument("--dir", default="/tmp/bench_images", help="(%(default)s; the JPEGs go to "
+                        "DIR/N_images)")
     parser.add_argument("--images", type=int, default=1000, help="(%(default)s)")
     parser.add_argument("--image-size", type=int, default=224, help="(%(default)s)")
     parser.add_argument("--rounds", type=int, default=3, help="(%(default)s)")
     args = parser.parse_args()
-    root = Path(args.dir)
+    root = Path(args.dir) / f"{args.images}_images"  # the pipeline reads the whole folder
     paths = make_folder(root, args.images)
     megabytes = sum(path.stat().st_size for path in paths) / 1e6
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -85,13 +86,13 @@ def main():
                 best[name] = (images, seconds)
         print(f"round {round_index + 1}: images/s " + ", ".join(rates), file=sys.stderr)
 
-    baseline_seconds = best["Pillow loop, 1 process"][1]
+    baseline_images, baseline_seconds = best["Pillow loop, 1 process"]
     print(f"{len(paths):,} JPEGs of 500x375 ({megabytes:.0f} MB) to {args.image_size} x "
           f"{args.image_size}; best of {args.rounds} rounds; {cpus} CPUs; Pillow {PIL.__version__}")
     print(f"{'method':<28} {'images':>7} {'seconds':>8} {'images/s':>9} {'vs loop':>8}")
     for name, (images, seconds) in best.items():
         print(f"{name:<28} {images:7,} {seconds:8.2f} {images / seconds:9.0f} "
-              f"{baseline_seconds / seconds:7.2f}x")
+              f"{images / seconds / (baseline_images / baseline_seconds):7.2f}x")
 
 
 if __name__ == "__main__":
