@@ -2750,6 +2750,24 @@ def test_what_does_not_apply_to_images_is_refused_with_the_reason(vit_run, args,
     assert error is not None and message in error, error
 
 
+def test_a_pretrained_vit_gets_a_new_classifier_for_other_classes_and_keeps_its_encoder(tmp_path, capsys):
+    from transformers import AutoConfig, AutoModelForImageClassification
+    config = AutoConfig.for_model("vit", hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                  intermediate_size=64, image_size=32, patch_size=8, num_labels=5)
+    torch.manual_seed(0)
+    AutoModelForImageClassification.from_config(config).save_pretrained(tmp_path / "vit")
+    saved = AutoModelForImageClassification.from_pretrained(tmp_path / "vit").state_dict()
+    meta = {"image_size": 32, "classes": [str(d) for d in range(10)], "mean": [0.5] * 3, "std": [0.25] * 3}
+    cfg = train_ddp.load_config([f"model.pretrained={tmp_path / 'vit'}"], use_cuda=False)
+    model, _ = train_ddp.build_model(cfg, "image", meta, torch.device("cpu"))
+    assert "a new classifier for 10 classes (model.pretrained has 5)" in capsys.readouterr().out
+    assert model.classifier.out_features == 10 and model.config.id2label[3] == "3"
+    assert all(torch.equal(value, saved[name]) for name, value in model.state_dict().items()
+               if not name.startswith("classifier"))
+    meta["image_size"] = 64
+    with pytest.raises(train_ddp.UserError, match="trained on 32-pixel images"):
+        train_ddp.build_model(cfg, "image", meta, torch.device("cpu"))
+
 def test_a_vit_on_text_data_is_refused_with_the_command_that_prepares_images(data_dir):
     error, _ = train_in_process(f"data.dir={data_dir}", "model.type=vit", "train.max_steps=1")
     assert error is not None and "holds text" in error and "preprocess.py --images" in error, error
