@@ -2250,7 +2250,9 @@ def test_prometheus_answers_during_a_run_with_the_logged_numbers_and_a_slow_rank
         process.wait()
     record = {r["step"]: r for r in read_metrics(tmp_path, "train")}[4]
     numbers = {f"trainer_{key}": value for key, value in record.items() if isinstance(value, (int, float))}
-    assert scraped[0].pop("trainer_val_loss") == pytest.approx(read_metrics(tmp_path, "val")[0]["val_loss"], rel=1e-12)
+    val = read_metrics(tmp_path, "val")[0]
+    assert scraped[0].pop("trainer_val_loss") == pytest.approx(val["val_loss"], rel=1e-12)
+    assert scraped[0].pop("trainer_val_accuracy") == pytest.approx(val["val_accuracy"], rel=1e-12)
     [memory] = read_metrics(tmp_path, "memory")  # step 2's memory accounting is a gauge of its own too
     for key in [key for key in memory if key.endswith("_bytes")]:
         assert scraped[0].pop(f"trainer_{key}") == memory[key], key
@@ -2518,7 +2520,7 @@ def test_a_second_run_on_a_checkpoint_dir_in_use_stops_at_once_and_the_first_run
                                                                                                   data_dir, tmp_path):
     """A requeued job, or a typo, starts a second run on the directory of one still running: the second stops
     before it touches anything, naming the holder; the first ends with the weights of the same run alone."""
-    slow = ",".join(f"slow:{rank}:{step}" for rank in (0, 1) for step in range(2, 8))  # 2 s more a step
+    slow = ",".join(f"slow:{rank}:{step}" for rank in (0, 1) for step in range(2, 9))  # 2 s more a step
     first, port = launch_training(tmp_path / "first", f"data.dir={data_dir}", *EIGHT_STEPS, "model.dropout=0.1",
                                   f"out_dir={tmp_path}/first", f"checkpoint.dir={tmp_path}/ckpt",
                                   env_extra={"FAULT": slow})
@@ -2659,12 +2661,21 @@ def test_vit_resume_continues_bitwise_identically_with_the_same_crops_and_flips(
     assert all(torch.equal(final_a[name], final_b[name]) for name in final_a)
 
 
-def test_vit_fsdp_gives_the_losses_of_ddp_and_shards_each_vit_layer(vit_run, tmp_path):
+@pytest.fixture(scope="module")
+def vit_fsdp_run(vit_run, tmp_path_factory):
+    """train_fsdp.py on 3 ranks, on the digits vit_run prepared: 2 micro-batches of 2 images per rank a step."""
     copy, _ = vit_run
-    result = torchrun(2, "train_fsdp.py", *VIT_STEPS, f"data.dir={copy}/data/digits", f"out_dir={tmp_path}",
-                      f"checkpoint.dir={tmp_path}/ckpt", "export=false")
-    assert "sharded over 2 ranks" in result.stdout
-    fsdp, ddp = losses(tmp_path), losses(copy / "out")
+    out = tmp_path_factory.mktemp("vit_fsdp")
+    result = torchrun(3, "train_fsdp.py", *VIT_STEPS, f"data.dir={copy}/data/digits", f"out_dir={out}",
+                      f"checkpoint.dir={out}/ckpt", "export=false")
+    return out, result
+
+
+def test_vit_fsdp_on_3_ranks_gives_the_losses_of_ddp_on_2_and_shards_each_vit_layer(vit_run, vit_fsdp_run):
+    copy, _ = vit_run
+    out, result = vit_fsdp_run
+    assert "sharded over 3 ranks" in result.stdout
+    fsdp, ddp = losses(out), losses(copy / "out")
     assert sorted(fsdp) == sorted(ddp) == list(range(1, 7))
     assert all(fsdp[step] == pytest.approx(ddp[step], rel=1e-5) for step in ddp), (fsdp, ddp)
     import train_fsdp
@@ -2698,7 +2709,7 @@ def test_vit_export_classifies_image_files_in_the_transformers_pipeline_as_the_t
         assert [scores[name] for name in meta["classes"]] == pytest.approx(expected[row].tolist(), abs=1e-4)
 
 
-def test_validation_counts_every_image_once_on_any_number_of_ranks(vit_run, tmp_path):
+def test_validation_counts_every_image_once_on_any_number_of_ranks(vit_run, vit_fsdp_run, tmp_path):
     """The digits' 353 validation images in global batches of 12: the last batch is padded past the end, and
     those samples are not counted (DistributedSampler's padding counts some images twice)."""
     copy, _ = vit_run
@@ -2714,13 +2725,13 @@ def test_validation_counts_every_image_once_on_any_number_of_ranks(vit_run, tmp_
                 labels = batch["labels"][batch["labels"] != train_ddp.IGNORE_INDEX]
                 counted += np.bincount(labels.numpy(), minlength=len(counted))
     assert counted.tolist() == np.bincount(val.labels, minlength=len(counted)).tolist()
-    # the same accuracy and loss on 3 ranks as on 1, from the same first weights
+    # the same accuracy and loss from the same first weights on 1 rank, 2 (DDP) and 3 (FSDP)
     once = ["train.max_steps=1", "export=false", "checkpoint.every=0", f"data.dir={data_dir}"]
-    torchrun(3, "train_ddp.py", *VIT_STEPS, *once, f"out_dir={tmp_path}/three")
-    error, _ = train_in_process(*VIT_STEPS, *once, f"out_dir={tmp_path}/one")
+    error, _ = train_in_process(*VIT_STEPS, *once, f"out_dir={tmp_path}")
     assert error is None, error
-    three, one = (read_metrics(tmp_path / name, "val")[0] for name in ("three", "one"))
-    assert three["val_accuracy"] == one["val_accuracy"] == read_metrics(copy / "out", "val")[0]["val_accuracy"]
+    one, two, three = (read_metrics(out, "val")[0] for out in (tmp_path, copy / "out", vit_fsdp_run[0]))
+    assert one["val_accuracy"] == two["val_accuracy"] == three["val_accuracy"]
+    assert two["val_loss"] == pytest.approx(one["val_loss"], rel=1e-5)
     assert three["val_loss"] == pytest.approx(one["val_loss"], rel=1e-5)
 
 
