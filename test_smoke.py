@@ -1225,7 +1225,7 @@ def test_fsdp_ranks_hold_a_shard_each_and_the_export_gives_the_trained_logits(tm
     AutoModelForCausalLM and computes the logits the sharded model computed."""
     script = tmp_path / "shards.py"
     script.write_text(f"""
-import json, sys
+import json, os, sys
 sys.path.insert(0, {str(REPO)!r})
 import torch, torch.distributed as dist
 import train_fsdp
@@ -1250,7 +1250,7 @@ full_model = train_fsdp.gather_full_model(model, cfg, "causal", 448, special)
 if rank == 0:
     full_model.save_pretrained({str(tmp_path / "export")!r})
     torch.save(logits, {str(tmp_path / "logits.pt")!r})
-print("RESULT", rank, json.dumps(local), flush=True)
+os.write(1, f"RESULT {{rank}} {{json.dumps(local)}}\\n".encode())  # one write: ranks never interleave
 dist.destroy_process_group()
 """)
     result = torchrun(2, script)
@@ -2778,7 +2778,7 @@ def test_fsdp_grad_scaler_sees_an_overflow_in_one_ranks_shard_on_every_rank(tmp_
     every rank alike, and the ranks keep one loss scale."""
     script = tmp_path / "scaler.py"
     script.write_text("""
-import json, torch, torch.distributed as dist
+import json, os, torch, torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 dist.init_process_group("gloo")
 torch.manual_seed(0)
@@ -2795,7 +2795,8 @@ before = next(model.parameters()).detach().full_tensor().clone()
 scaler.step(optimizer)
 scaler.update()
 unchanged = torch.equal(before, next(model.parameters()).detach().full_tensor())
-print("RESULT", json.dumps({"rank": dist.get_rank(), "scale": scaler.get_scale(), "unchanged": unchanged}))
+result = json.dumps({"rank": dist.get_rank(), "scale": scaler.get_scale(), "unchanged": unchanged})
+os.write(1, f"RESULT {result}\\n".encode())  # one write: ranks never interleave
 dist.destroy_process_group()
 """)
     result = torchrun(2, script)
