@@ -2516,19 +2516,31 @@ print("still running", flush=True)
 def test_a_second_run_on_a_checkpoint_dir_in_use_stops_at_once_and_the_first_run_ends_as_if_alone(trained_run,
                                                                                                   data_dir, tmp_path):
     """A requeued job, or a typo, starts a second run on the directory of one still running: the second stops
-    before it touches anything, naming the holder; the first ends with the weights of the same run alone."""
-    slow = ",".join(f"slow:{rank}:{step}" for rank in (0, 1) for step in range(2, 8))  # 2 s more a step
-    first, port = launch_training(tmp_path / "first", f"data.dir={data_dir}", *EIGHT_STEPS, "model.dropout=0.1",
-                                  f"out_dir={tmp_path}/first", f"checkpoint.dir={tmp_path}/ckpt",
-                                  env_extra={"FAULT": slow})
-    output = []
+    before it touches anything, naming the holder; the first ends with the weights of the same run alone. The
+    first run's workers are paused (SIGSTOP) while the second runs: still alive and holding the lock however
+    long the second takes to start, which no fixed slowdown of the first could promise."""
+    command = torchrun_command(2, "train_ddp.py", f"data.dir={data_dir}", *EIGHT_STEPS, "model.dropout=0.1",
+                               "dist.timeout_s=600", f"out_dir={tmp_path}/first", f"checkpoint.dir={tmp_path}/ckpt")
+    port = command[command.index("--master-port") + 1]
+    first = subprocess.Popen(command, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    output, workers = [], []
     try:
-        read_until(first, "step 1/", output)
+        read_until(first, "step 1/", output)  # rank 0 has held the lock since before step 0's validation
+        workers = [pid for pid in processes_of(port) if "RANK" in process_env(pid)]
+        assert len(workers) == 2, workers
+        for pid in workers:
+            os.kill(pid, signal.SIGSTOP)
         second = torchrun(2, "train_ddp.py", f"data.dir={data_dir}", *EIGHT_STEPS, f"out_dir={tmp_path}/second",
                           f"checkpoint.dir={tmp_path}/ckpt", must_pass=False)
+        for pid in workers:
+            os.kill(pid, signal.SIGCONT)
         output += first.stdout.readlines()
         first.wait(timeout=240)
     finally:
+        for pid in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
         kill_process_tree(first.pid)
     assert first.returncode == 0, "".join(output)[-3000:]
     assert_one_line_error(second, f"{tmp_path}/ckpt is in use by another run (host {socket.gethostname()}, PID",
