@@ -2612,12 +2612,10 @@ def test_resuming_with_data_of_another_vocabulary_says_which_vocabularies_differ
     assert "-> give the data.dir it was trained on" in error
 
 
-def test_ddp_times_its_own_all_reduces_and_the_communication_backward_did_not_hide(data_dir, tmp_path):
-    """dist.reducer=torch, the default: a comm hook around DDP's all-reduce gives the p50/p95 latency and the
-    exposed communication, as the inline reducer's own wait does; numbers on gloo too."""
-    torchrun(2, "train_ddp.py", f"data.dir={data_dir}", *EIGHT_STEPS, "train.max_steps=4", "checkpoint.every=0",
-             "export=false", "log.every=2", f"out_dir={tmp_path}", f"checkpoint.dir={tmp_path}/ckpt")
-    for record in read_metrics(tmp_path, "train"):
+def test_ddp_times_its_own_all_reduces_and_the_communication_backward_did_not_hide(trained_run):
+    """dist.reducer=torch, the default (trained_run's 2 ranks): a comm hook around DDP's all-reduce gives the
+    p50/p95 latency and the exposed communication, as the inline reducer's own wait does; numbers on gloo too."""
+    for record in read_metrics(trained_run[0], "train"):
         assert 0 < record["allreduce_p50_ms"] <= record["allreduce_p95_ms"], record
         assert record["comm_exposed_ms"] >= 0, record
 
