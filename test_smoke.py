@@ -1204,11 +1204,23 @@ def test_fsdp_recovers_from_a_kill_while_writing_a_sharded_checkpoint(fsdp_run, 
     assert all(torch.equal(reference[name], recovered[name]) for name in reference)
 
 
-def test_fsdp_a_nan_on_one_rank_skips_that_step_on_every_rank(data_dir, tmp_path):
-    result = torchrun(2, "train_fsdp.py", f"data.dir={data_dir}", *FSDP_STEPS, "train.max_steps=4", "checkpoint.every=0",
-                      "export=false", f"out_dir={tmp_path}", f"checkpoint.dir={tmp_path}/ckpt", env_extra={"FAULT": "nan:0:2"})
-    assert "step 2 | non-finite gradient: update skipped (1 in a row)" in result.stdout
-    assert [t["skipped_steps"] for t in read_metrics(tmp_path, "train")] == [0, 1, 0, 0]
+@pytest.fixture(scope="module")
+def fsdp_nans_run(data_dir, tmp_path_factory):
+    """train_fsdp.py on 2 ranks with a NaN on rank 0 in step 1 alone, then in steps 3 to 5: the third in a row
+    ends the run (train.max_bad_steps=3) while step 4's checkpoint, written in the background, may still be
+    in flight. Checkpoints every 2 steps."""
+    out = tmp_path_factory.mktemp("fsdp_nans")
+    result = torchrun(2, "train_fsdp.py", f"data.dir={data_dir}", *FSDP_STEPS, "checkpoint.async_save=true",
+                      "checkpoint.every=2", "train.max_bad_steps=3", f"out_dir={out}", f"checkpoint.dir={out}/ckpt",
+                      env_extra={"FAULT": "nan:0:1,nan:0:3,nan:0:4,nan:0:5"}, must_pass=False)
+    return out, result
+
+
+def test_fsdp_a_nan_on_one_rank_skips_that_step_on_every_rank(fsdp_nans_run):
+    out, result = fsdp_nans_run
+    assert "step 1 | non-finite gradient: update skipped (1 in a row)" in result.stdout
+    assert "step 3 | non-finite gradient: update skipped (1 in a row)" in result.stdout  # step 2 trained
+    assert [t["skipped_steps"] for t in read_metrics(out, "train")] == [1, 0, 1, 1]
 
 
 @pytest.mark.parametrize("override", ["dist.reducer=inline", "dist.grad_compression=bf16"])
@@ -2478,17 +2490,14 @@ def test_a_preemption_signalling_launch_torchrun_and_every_worker_twice_stops_af
     assert f"resumed from {tmp_path}/ckpt/step_{step:06d}" in result.stdout, result.stdout[-2000:]
 
 
-def test_fsdp_publishes_a_checkpoint_written_in_the_background_before_a_run_ends_on_an_error(data_dir, tmp_path):
+def test_fsdp_publishes_a_checkpoint_written_in_the_background_before_a_run_ends_on_an_error(fsdp_nans_run):
     """Steps 3 to 5 have a non-finite gradient, and the third in a row ends the run while step 4's checkpoint
     (weights as good as step 2's: skipped steps change nothing) is still being written: it is published."""
-    result = torchrun(2, "train_fsdp.py", f"data.dir={data_dir}", *FSDP_STEPS, "checkpoint.async_save=true",
-                      "checkpoint.every=2", "train.max_bad_steps=3", f"out_dir={tmp_path}",
-                      f"checkpoint.dir={tmp_path}/ckpt", env_extra={"FAULT": "nan:0:3,nan:0:4,nan:0:5"},
-                      must_pass=False)
+    out, result = fsdp_nans_run
     assert_one_line_error(result, "3 steps in a row had a non-finite gradient", under_torchrun=True)
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name != ".lock") == [
+    assert sorted(p.name for p in (out / "ckpt").iterdir() if p.name != ".lock") == [
         "latest", "step_000002", "step_000004"]
-    assert train_ddp.checksum_mismatch(tmp_path / "ckpt" / "step_000004") is None
+    assert train_ddp.checksum_mismatch(out / "ckpt" / "step_000004") is None
 
 
 def test_stop_signals_within_a_minute_repeat_the_first_and_a_later_one_stops_at_once_and_says_so(tmp_path):
