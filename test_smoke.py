@@ -1104,13 +1104,12 @@ FSDP_STEPS = [*TINY_MODEL, "train.global_batch_size=24", "train.micro_batch_size
 
 @pytest.fixture(scope="module")
 def fsdp_run(data_dir, tmp_path_factory):
-    """8 steps of train_fsdp.py on 2 processes through launch.sh, sharded checkpoints at steps 4 and 8, written
-    in the background (checkpoint.async_save): the tests that resume from them and compare the exported weights
-    check that path too."""
+    """8 steps of train_fsdp.py on 2 processes, sharded checkpoints at steps 4 and 8, written in the background
+    (checkpoint.async_save): the tests that resume from them and compare the exported weights check that path
+    too. Under torchrun itself: launch.sh's checks before train_fsdp.py are the preemption test's."""
     out = tmp_path_factory.mktemp("fsdp")
-    result = run(["bash", "launch.sh", "train_fsdp.py", f"data.dir={data_dir}", *FSDP_STEPS, "checkpoint.async_save=true",
-                  f"out_dir={out}", f"checkpoint.dir={out}/ckpt"], env_extra={"MASTER_PORT": str(free_port())})
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    result = torchrun(2, "train_fsdp.py", f"data.dir={data_dir}", *FSDP_STEPS, "checkpoint.async_save=true",
+                      f"out_dir={out}", f"checkpoint.dir={out}/ckpt")
     return out, result
 
 
