@@ -110,22 +110,23 @@ def assert_one_line_error(result, *fragments, under_torchrun=False):
         assert fragment in error_lines[0], error_lines[0]
 
 
-def train_in_process(*args, env=None):
-    """train_ddp.main() in this process, as `python train_ddp.py ARGS` runs it, without the seconds a new
-    interpreter spends importing torch and transformers. Returns (the error message or None, the printout).
-    The `error:` line and exit code of a real process are tested by the subprocess tests."""
+def train_in_process(*args, env=None, trainer=train_ddp):
+    """train_ddp.main() (or another trainer module's) in this process, as `python train_ddp.py ARGS` runs it,
+    without the seconds a new interpreter spends importing torch and transformers. Returns (the error message
+    or None, the printout). The `error:` line and exit code of a real process are tested by the subprocess
+    tests."""
     saved_argv, saved_env = sys.argv, dict(os.environ)
     saved_handlers = {number: signal.getsignal(number) for number in (signal.SIGTERM, signal.SIGINT)}
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(key, None)
     os.environ.update(env or {})
-    sys.argv = ["train_ddp.py", *map(str, args)]
+    sys.argv = [Path(trainer.__file__).name, *map(str, args)]
     printed = io.StringIO()
     try:
         with contextlib.redirect_stdout(printed):
-            train_ddp.main()
+            trainer.main()
         error = None
-    except train_ddp.UserError as failure:
+    except trainer.UserError as failure:
         error = str(failure)
     finally:
         sys.argv = saved_argv
@@ -2455,7 +2456,7 @@ def test_a_preemption_signalling_launch_torchrun_and_every_worker_twice_stops_af
                                                                                                  tmp_path):
     """Slurm signals every process of a job step at once, and torchrun passes its own signal on: every worker
     gets two or more. Every rank must still finish its step and write one checkpoint of that step; the job
-    exits 3 (stopped) with the trainer's line, and the same command resumes there. train_fsdp.py writes its
+    exits 3 (stopped) with the trainer's line, and the same arguments resume there. train_fsdp.py writes its
     checkpoints in the background here: the stop's must be published all the same."""
     args = [f"data.dir={data_dir}", *EIGHT_STEPS, "train.max_steps=100000", "checkpoint.every=3",
             f"out_dir={tmp_path}", f"checkpoint.dir={tmp_path}/ckpt",
@@ -2484,9 +2485,11 @@ def test_a_preemption_signalling_launch_torchrun_and_every_worker_twice_stops_af
     assert train_ddp.checksum_mismatch(tmp_path / "ckpt" / f"step_{step:06d}") is None
     assert not list((tmp_path / "ckpt").glob(".tmp-*")), "every checkpoint it started is published"
     assert "Traceback" not in text.split("stopped at step")[0][-2000:]
-    result = torchrun(2, trainer, *[a for a in args if not a.startswith("train.max_steps")],
-                      f"train.max_steps={step + 1}", "export=false")
-    assert f"resumed from {tmp_path}/ckpt/step_{step:06d}" in result.stdout, result.stdout[-2000:]
+    # the same arguments resume there; in this process, on one rank: a sharded checkpoint is then read whole
+    error, printed = train_in_process(*[a for a in args if not a.startswith("train.max_steps")],
+                                      f"train.max_steps={step + 1}", "export=false",
+                                      trainer=importlib.import_module(Path(trainer).stem))
+    assert error is None and f"resumed from {tmp_path}/ckpt/step_{step:06d}" in printed, (error, printed[-2000:])
 
 
 def test_fsdp_publishes_a_checkpoint_written_in_the_background_before_a_run_ends_on_an_error(fsdp_nans_run):
