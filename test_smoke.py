@@ -2159,8 +2159,18 @@ def test_parse_size_reads_bytes_and_binary_units():
     (["--sizes", "100T"], "needs"),
     (["--iterz", "5"], "did you mean --iters"),
 ])
-def test_bad_options_end_every_rank_with_one_error_line(options, message):
-    code, output = launch_stress_test(*options, "--skip-grad-check")
+def test_bad_options_end_every_rank_with_one_error_line(options, message, monkeypatch, capsys):
+    """Under torchrun: a mistake found before the ranks connect (--iterz) and one found after (100T). The other
+    two are found in load_config too, before any rank connects, as --iterz is: this process runs it."""
+    if options in (["--iterz", "5"], ["--sizes", "100T"]):
+        code, output = launch_stress_test(*options, "--skip-grad-check")
+    else:
+        import stress_test
+        monkeypatch.delenv("RANK", raising=False)
+        with pytest.raises(SystemExit) as exit_info:
+            stress_test.load_config([*options, "--skip-grad-check"], world_size=2)
+        code, output = exit_info.value.code, capsys.readouterr().err
+        assert not dist_is_initialized()
     assert code != 0, output
     errors = [line for line in output.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and message in errors[0], output
