@@ -795,6 +795,7 @@ for name, helper in [("on_rank0", train_ddp.on_rank0), ("on_all_ranks", train_dd
 with open(f"{{sys.argv[1]}}/rank{{rank}}.json", "w") as file:
     json.dump(results, file)
 dist.destroy_process_group()
+os._exit(0)  # the results are written: leave without the interpreter's teardown of torch and transformers
 """)
     torchrun(2, script, str(tmp_path))
     per_rank = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
@@ -1264,6 +1265,7 @@ if rank == 0:
     torch.save(logits, {str(tmp_path / "logits.pt")!r})
 os.write(1, f"RESULT {{rank}} {{json.dumps(local)}}\\n".encode())  # one write: ranks never interleave
 dist.destroy_process_group()
+os._exit(0)  # the results are out: leave without the interpreter's teardown of torch and transformers
 """)
     result = torchrun(2, script)
     shares = [json.loads(line.split(" ", 2)[2]) for line in result.stdout.splitlines() if line.startswith("RESULT")]
