@@ -111,22 +111,23 @@ def assert_one_line_error(result, *fragments, under_torchrun=False):
         assert fragment in error_lines[0], error_lines[0]
 
 
-def train_in_process(*args, env=None):
-    """train_ddp.main() in this process, as `python train_ddp.py ARGS` runs it, without the seconds a new
-    interpreter spends importing torch and transformers. Returns (the error message or None, the printout).
-    The `error:` line and exit code of a real process are tested by the subprocess tests."""
+def train_in_process(*args, env=None, trainer=train_ddp):
+    """train_ddp.main() (or another trainer module's) in this process, as `python train_ddp.py ARGS` runs it,
+    without the seconds a new interpreter spends importing torch and transformers. Returns (the error message
+    or None, the printout). The `error:` line and exit code of a real process are tested by the subprocess
+    tests."""
     saved_argv, saved_env = sys.argv, dict(os.environ)
     saved_handlers = {number: signal.getsignal(number) for number in (signal.SIGTERM, signal.SIGINT)}
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(key, None)
     os.environ.update(env or {})
-    sys.argv = ["train_ddp.py", *map(str, args)]
+    sys.argv = [Path(trainer.__file__).name, *map(str, args)]
     printed = io.StringIO()
     try:
         with contextlib.redirect_stdout(printed):
-            train_ddp.main()
+            trainer.main()
         error = None
-    except train_ddp.UserError as failure:
+    except trainer.UserError as failure:
         error = str(failure)
     finally:
         sys.argv = saved_argv
@@ -795,6 +796,7 @@ for name, helper in [("on_rank0", train_ddp.on_rank0), ("on_all_ranks", train_dd
 with open(f"{{sys.argv[1]}}/rank{{rank}}.json", "w") as file:
     json.dump(results, file)
 dist.destroy_process_group()
+os._exit(0)  # the results are written: leave without the interpreter's teardown of torch and transformers
 """)
     torchrun(2, script, str(tmp_path))
     per_rank = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
@@ -1105,13 +1107,12 @@ FSDP_STEPS = [*TINY_MODEL, "train.global_batch_size=24", "train.micro_batch_size
 
 @pytest.fixture(scope="module")
 def fsdp_run(data_dir, tmp_path_factory):
-    """8 steps of train_fsdp.py on 2 processes through launch.sh, sharded checkpoints at steps 4 and 8, written
-    in the background (checkpoint.async_save): the tests that resume from them and compare the exported weights
-    check that path too."""
+    """8 steps of train_fsdp.py on 2 processes, sharded checkpoints at steps 4 and 8, written in the background
+    (checkpoint.async_save): the tests that resume from them and compare the exported weights check that path
+    too. Under torchrun itself: launch.sh's checks before train_fsdp.py are the preemption test's."""
     out = tmp_path_factory.mktemp("fsdp")
-    result = run(["bash", "launch.sh", "train_fsdp.py", f"data.dir={data_dir}", *FSDP_STEPS, "checkpoint.async_save=true",
-                  f"out_dir={out}", f"checkpoint.dir={out}/ckpt"], env_extra={"MASTER_PORT": str(free_port())})
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    result = torchrun(2, "train_fsdp.py", f"data.dir={data_dir}", *FSDP_STEPS, "checkpoint.async_save=true",
+                      f"out_dir={out}", f"checkpoint.dir={out}/ckpt")
     return out, result
 
 
@@ -1205,11 +1206,23 @@ def test_fsdp_recovers_from_a_kill_while_writing_a_sharded_checkpoint(fsdp_run, 
     assert all(torch.equal(reference[name], recovered[name]) for name in reference)
 
 
-def test_fsdp_a_nan_on_one_rank_skips_that_step_on_every_rank(data_dir, tmp_path):
-    result = torchrun(2, "train_fsdp.py", f"data.dir={data_dir}", *FSDP_STEPS, "train.max_steps=4", "checkpoint.every=0",
-                      "export=false", f"out_dir={tmp_path}", f"checkpoint.dir={tmp_path}/ckpt", env_extra={"FAULT": "nan:0:2"})
-    assert "step 2 | non-finite gradient: update skipped (1 in a row)" in result.stdout
-    assert [t["skipped_steps"] for t in read_metrics(tmp_path, "train")] == [0, 1, 0, 0]
+@pytest.fixture(scope="module")
+def fsdp_nans_run(data_dir, tmp_path_factory):
+    """train_fsdp.py on 2 ranks with a NaN on rank 0 in step 1 alone, then in steps 3 to 5: the third in a row
+    ends the run (train.max_bad_steps=3) while step 4's checkpoint, written in the background, may still be
+    in flight. Checkpoints every 2 steps."""
+    out = tmp_path_factory.mktemp("fsdp_nans")
+    result = torchrun(2, "train_fsdp.py", f"data.dir={data_dir}", *FSDP_STEPS, "checkpoint.async_save=true",
+                      "checkpoint.every=2", "train.max_bad_steps=3", f"out_dir={out}", f"checkpoint.dir={out}/ckpt",
+                      env_extra={"FAULT": "nan:0:1,nan:0:3,nan:0:4,nan:0:5"}, must_pass=False)
+    return out, result
+
+
+def test_fsdp_a_nan_on_one_rank_skips_that_step_on_every_rank(fsdp_nans_run):
+    out, result = fsdp_nans_run
+    assert "step 1 | non-finite gradient: update skipped (1 in a row)" in result.stdout
+    assert "step 3 | non-finite gradient: update skipped (1 in a row)" in result.stdout  # step 2 trained
+    assert [t["skipped_steps"] for t in read_metrics(out, "train")] == [1, 0, 1, 1]
 
 
 @pytest.mark.parametrize("override", ["dist.reducer=inline", "dist.grad_compression=bf16"])
@@ -1251,8 +1264,9 @@ full_model = train_fsdp.gather_full_model(model, cfg, "causal", {{"vocab_size": 
 if rank == 0:
     full_model.save_pretrained({str(tmp_path / "export")!r})
     torch.save(logits, {str(tmp_path / "logits.pt")!r})
-os.write(1, f"RESULT {{rank}} {{json.dumps(local)}}\\n".encode())  # one write: the two ranks' lines never interleave
+os.write(1, f"RESULT {{rank}} {{json.dumps(local)}}\\n".encode())  # one write: ranks never interleave
 dist.destroy_process_group()
+os._exit(0)  # the results are out: leave without the interpreter's teardown of torch and transformers
 """)
     result = torchrun(2, script)
     shares = [json.loads(line.split(" ", 2)[2]) for line in result.stdout.splitlines() if line.startswith("RESULT")]
@@ -2148,8 +2162,18 @@ def test_parse_size_reads_bytes_and_binary_units():
     (["--sizes", "100T"], "needs"),
     (["--iterz", "5"], "did you mean --iters"),
 ])
-def test_bad_options_end_every_rank_with_one_error_line(options, message):
-    code, output = launch_stress_test(*options, "--skip-grad-check")
+def test_bad_options_end_every_rank_with_one_error_line(options, message, monkeypatch, capsys):
+    """Under torchrun: a mistake found before the ranks connect (--iterz) and one found after (100T). The other
+    two are found in load_config too, before any rank connects, as --iterz is: this process runs it."""
+    if options in (["--iterz", "5"], ["--sizes", "100T"]):
+        code, output = launch_stress_test(*options, "--skip-grad-check")
+    else:
+        import stress_test
+        monkeypatch.delenv("RANK", raising=False)
+        with pytest.raises(SystemExit) as exit_info:
+            stress_test.load_config([*options, "--skip-grad-check"], world_size=2)
+        code, output = exit_info.value.code, capsys.readouterr().err
+        assert not dist_is_initialized()
     assert code != 0, output
     errors = [line for line in output.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and message in errors[0], output
@@ -2447,7 +2471,7 @@ def test_a_preemption_signalling_launch_torchrun_and_every_worker_twice_stops_af
                                                                                                  tmp_path):
     """Slurm signals every process of a job step at once, and torchrun passes its own signal on: every worker
     gets two or more. Every rank must still finish its step and write one checkpoint of that step; the job
-    exits 3 (stopped) with the trainer's line, and the same command resumes there. train_fsdp.py writes its
+    exits 3 (stopped) with the trainer's line, and the same arguments resume there. train_fsdp.py writes its
     checkpoints in the background here: the stop's must be published all the same."""
     args = [f"data.dir={data_dir}", *EIGHT_STEPS, "train.max_steps=100000", "checkpoint.every=3",
             f"out_dir={tmp_path}", f"checkpoint.dir={tmp_path}/ckpt",
@@ -2476,22 +2500,21 @@ def test_a_preemption_signalling_launch_torchrun_and_every_worker_twice_stops_af
     assert train_ddp.checksum_mismatch(tmp_path / "ckpt" / f"step_{step:06d}") is None
     assert not list((tmp_path / "ckpt").glob(".tmp-*")), "every checkpoint it started is published"
     assert "Traceback" not in text.split("stopped at step")[0][-2000:]
-    result = torchrun(2, trainer, *[a for a in args if not a.startswith("train.max_steps")],
-                      f"train.max_steps={step + 1}", "export=false")
-    assert f"resumed from {tmp_path}/ckpt/step_{step:06d}" in result.stdout, result.stdout[-2000:]
+    # the same arguments resume there; in this process, on one rank: a sharded checkpoint is then read whole
+    error, printed = train_in_process(*[a for a in args if not a.startswith("train.max_steps")],
+                                      f"train.max_steps={step + 1}", "export=false",
+                                      trainer=importlib.import_module(Path(trainer).stem))
+    assert error is None and f"resumed from {tmp_path}/ckpt/step_{step:06d}" in printed, (error, printed[-2000:])
 
 
-def test_fsdp_publishes_a_checkpoint_written_in_the_background_before_a_run_ends_on_an_error(data_dir, tmp_path):
+def test_fsdp_publishes_a_checkpoint_written_in_the_background_before_a_run_ends_on_an_error(fsdp_nans_run):
     """Steps 3 to 5 have a non-finite gradient, and the third in a row ends the run while step 4's checkpoint
     (weights as good as step 2's: skipped steps change nothing) is still being written: it is published."""
-    result = torchrun(2, "train_fsdp.py", f"data.dir={data_dir}", *FSDP_STEPS, "checkpoint.async_save=true",
-                      "checkpoint.every=2", "train.max_bad_steps=3", f"out_dir={tmp_path}",
-                      f"checkpoint.dir={tmp_path}/ckpt", env_extra={"FAULT": "nan:0:3,nan:0:4,nan:0:5"},
-                      must_pass=False)
+    out, result = fsdp_nans_run
     assert_one_line_error(result, "3 steps in a row had a non-finite gradient", under_torchrun=True)
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name != ".lock") == [
+    assert sorted(p.name for p in (out / "ckpt").iterdir() if p.name != ".lock") == [
         "latest", "step_000002", "step_000004"]
-    assert train_ddp.checksum_mismatch(tmp_path / "ckpt" / "step_000004") is None
+    assert train_ddp.checksum_mismatch(out / "ckpt" / "step_000004") is None
 
 
 def test_stop_signals_within_a_minute_repeat_the_first_and_a_later_one_stops_at_once_and_says_so(tmp_path):
@@ -2519,19 +2542,31 @@ print("still running", flush=True)
 def test_a_second_run_on_a_checkpoint_dir_in_use_stops_at_once_and_the_first_run_ends_as_if_alone(trained_run,
                                                                                                   data_dir, tmp_path):
     """A requeued job, or a typo, starts a second run on the directory of one still running: the second stops
-    before it touches anything, naming the holder; the first ends with the weights of the same run alone."""
-    slow = ",".join(f"slow:{rank}:{step}" for rank in (0, 1) for step in range(2, 9))  # 2 s more a step
-    first, port = launch_training(tmp_path / "first", f"data.dir={data_dir}", *EIGHT_STEPS, "model.dropout=0.1",
-                                  f"out_dir={tmp_path}/first", f"checkpoint.dir={tmp_path}/ckpt",
-                                  env_extra={"FAULT": slow})
-    output = []
+    before it touches anything, naming the holder; the first ends with the weights of the same run alone. The
+    first run's workers are paused (SIGSTOP) while the second runs: still alive and holding the lock however
+    long the second takes to start, which no fixed slowdown of the first could promise."""
+    command = torchrun_command(2, "train_ddp.py", f"data.dir={data_dir}", *EIGHT_STEPS, "model.dropout=0.1",
+                               "dist.timeout_s=600", f"out_dir={tmp_path}/first", f"checkpoint.dir={tmp_path}/ckpt")
+    port = command[command.index("--master-port") + 1]
+    first = subprocess.Popen(command, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    output, workers = [], []
     try:
-        read_until(first, "step 1/", output)
+        read_until(first, "step 1/", output)  # rank 0 has held the lock since before step 0's validation
+        workers = [pid for pid in processes_of(port) if "RANK" in process_env(pid)]
+        assert len(workers) == 2, workers
+        for pid in workers:
+            os.kill(pid, signal.SIGSTOP)
         second = torchrun(2, "train_ddp.py", f"data.dir={data_dir}", *EIGHT_STEPS, f"out_dir={tmp_path}/second",
                           f"checkpoint.dir={tmp_path}/ckpt", must_pass=False)
+        for pid in workers:
+            os.kill(pid, signal.SIGCONT)
         output += first.stdout.readlines()
         first.wait(timeout=240)
     finally:
+        for pid in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
         kill_process_tree(first.pid)
     assert first.returncode == 0, "".join(output)[-3000:]
     assert_one_line_error(second, f"{tmp_path}/ckpt is in use by another run (host {socket.gethostname()}, PID",
@@ -2576,14 +2611,18 @@ def test_a_full_disk_during_a_checkpoint_is_one_line_and_restarts_do_not_retry_i
                                                                                     tmp_path):
     """The step-2 checkpoint fits, the step-4 one does not: one line naming the directory, its free space and
     what a checkpoint needs; no temporary files left; step 2's checkpoint intact and the one to resume from.
-    torchrun's restarts (2 here) end at once with the same line instead of training again."""
+    torchrun's restarts end at once with the same line instead of training again: two for train_ddp.py (the
+    second finds what the first left), one for train_fsdp.py, whose restarts end in the same code before main()
+    (ended_attempt, the same source in both trainers)."""
+    restarts = 2 if trainer == "train_ddp.py" else 1
     result = torchrun(2, trainer, f"data.dir={data_dir}", *EIGHT_STEPS, "checkpoint.every=2", "export=false",
-                      f"out_dir={tmp_path}/out", f"checkpoint.dir={small_disk}/ckpt", must_pass=False, max_restarts=2)
+                      f"out_dir={tmp_path}/out", f"checkpoint.dir={small_disk}/ckpt", must_pass=False,
+                      max_restarts=restarts)
     output = result.stdout + result.stderr
     errors = [line for line in output.splitlines() if line.startswith("error:")]
     assert errors and errors[0].startswith(f"error: cannot write checkpoint to {small_disk}/ckpt"), output[-3000:]
     assert re.search(r"MiB free there, a checkpoint needs about [\d.,]+ MiB -> free disk space", errors[0]), errors[0]
-    assert errors == [errors[0]] * 3, errors  # the first attempt, then the two restarts, alike
+    assert errors == [errors[0]] * (1 + restarts), errors  # the first attempt, then the restarts, alike
     assert not re.search(r'File ".*(train_ddp|train_fsdp)\.py", line', output), output[-3000:]
     assert sorted(p.name for p in (small_disk / "ckpt").iterdir() if p.name != ".lock") == ["latest", "step_000002"]
     assert train_ddp.checksum_mismatch(small_disk / "ckpt" / "step_000002") is None
@@ -2603,12 +2642,10 @@ def test_resuming_with_data_of_another_vocabulary_says_which_vocabularies_differ
     assert "-> give the data.dir it was trained on" in error
 
 
-def test_ddp_times_its_own_all_reduces_and_the_communication_backward_did_not_hide(data_dir, tmp_path):
-    """dist.reducer=torch, the default: a comm hook around DDP's all-reduce gives the p50/p95 latency and the
-    exposed communication, as the inline reducer's own wait does; numbers on gloo too."""
-    torchrun(2, "train_ddp.py", f"data.dir={data_dir}", *EIGHT_STEPS, "train.max_steps=4", "checkpoint.every=0",
-             "export=false", "log.every=2", f"out_dir={tmp_path}", f"checkpoint.dir={tmp_path}/ckpt")
-    for record in read_metrics(tmp_path, "train"):
+def test_ddp_times_its_own_all_reduces_and_the_communication_backward_did_not_hide(trained_run):
+    """dist.reducer=torch, the default (trained_run's 2 ranks): a comm hook around DDP's all-reduce gives the
+    p50/p95 latency and the exposed communication, as the inline reducer's own wait does; numbers on gloo too."""
+    for record in read_metrics(trained_run[0], "train"):
         assert 0 < record["allreduce_p50_ms"] <= record["allreduce_p95_ms"], record
         assert record["comm_exposed_ms"] >= 0, record
 
@@ -2971,8 +3008,8 @@ before = next(model.parameters()).detach().full_tensor().clone()
 scaler.step(optimizer)
 scaler.update()
 unchanged = torch.equal(before, next(model.parameters()).detach().full_tensor())
-result = {"rank": dist.get_rank(), "scale": scaler.get_scale(), "unchanged": unchanged}
-os.write(1, f"RESULT {json.dumps(result)}\\n".encode())  # one write: the two ranks' lines never interleave
+result = json.dumps({"rank": dist.get_rank(), "scale": scaler.get_scale(), "unchanged": unchanged})
+os.write(1, f"RESULT {result}\\n".encode())  # one write: ranks never interleave
 dist.destroy_process_group()
 """)
     result = torchrun(2, script)
