@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import time
+import unittest.mock
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -250,6 +251,33 @@ def test_bf16_and_flash_attention_are_chosen_by_compute_capability(monkeypatch):
     assert train_ddp.choose_precision("auto", cpu) == "fp32"
     assert train_ddp.choose_attention("auto", cpu, "mlm") == "sdpa"
     assert train_ddp.choose_attention("auto", cpu, "causal") == "sdpa_causal"  # no explicit mask under compile
+    assert train_ddp.choose_attention("auto", cpu, "image") == "sdpa_unmasked"
+    assert train_ddp.choose_attention("sdpa", cpu, "image") == "sdpa"  # asked for by name: as asked
+
+
+def test_vit_without_a_mask_gives_the_logits_of_transformers_sdpa_compiled_or_not():
+    """sdpa_unmasked passes SDPA no mask (its flash kernels refuse transformers' all-true one under
+    compile): on unpadded images that is the same attention, so the same logits."""
+    from transformers import AutoConfig, AutoModelForImageClassification
+    config = AutoConfig.for_model("vit", hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                  intermediate_size=64, image_size=32, patch_size=8, num_labels=5)
+    unmasked = train_ddp.choose_attention("auto", torch.device("cpu"), "image")
+    torch.manual_seed(0)
+    theirs = AutoModelForImageClassification.from_config(config, attn_implementation="sdpa").eval()
+    ours = AutoModelForImageClassification.from_config(config, attn_implementation=unmasked).eval()
+    ours.load_state_dict(theirs.state_dict())
+    masks = []
+    original = torch.nn.functional.scaled_dot_product_attention
+    pixels = torch.randn(4, 3, 32, 32)
+    with torch.no_grad():
+        expected, got = theirs(pixel_values=pixels).logits, ours(pixel_values=pixels).logits
+        def spy(*args, **kwargs):  # the masks SDPA gets under compile, where transformers' sdpa
+            masks.append(kwargs.get("attn_mask"))  # builds an all-true one (5.17 always)
+            return original(*args, **kwargs)
+        with unittest.mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", spy):
+            compiled = torch.compile(ours, backend="eager")(pixel_values=pixels).logits
+    assert masks == [None, None]  # none in either layer
+    assert (got - expected).abs().max() < 1e-5 and (compiled - expected).abs().max() < 1e-5
 
 
 def test_mfu_peak_is_looked_up_by_exact_gpu_name_only(monkeypatch):

@@ -1549,6 +1549,8 @@ def export_image_model(raw_model, meta, final_dir):
     side resized to the image size (bicubic) and a centre crop, as preprocess.py did, then
     meta.json's mean and std: pipeline("image-classification", model=final_dir) classifies."""
     size = meta["image_size"]
+    if raw_model.config._attn_implementation == "sdpa_unmasked":  # registered in this process only
+        raw_model.set_attn_implementation("sdpa")
     raw_model.save_pretrained(final_dir)
     processor = {"image_processor_type": "BitImageProcessor", "do_convert_rgb": True,
                  "do_resize": True, "size": {"shortest_edge": size}, "resample": 3,
@@ -1656,8 +1658,9 @@ def build_model(cfg, task, meta, device):
 
 def choose_attention(requested, device, task, architecture=None):
     """auto: FlashAttention-2 where flash_attn imports on a GPU of compute capability 8.0 or newer
-    (older GPUs fail at the first forward); else our sdpa_causal for causal LMs, else sdpa; eager
-    for the model classes transformers runs without SDPA (architecture: e.g. DeBERTa-v2's)."""
+    (older GPUs fail at the first forward); else our sdpa_causal for causal LMs, sdpa_unmasked for
+    images, else sdpa; eager for the model classes transformers runs without SDPA (architecture:
+    e.g. DeBERTa-v2's)."""
     supports = {kind: getattr(architecture, f"_supports_{kind}", True)
                 for kind in ("sdpa", "flash_attn")}
     usable = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0) and \
@@ -1666,13 +1669,14 @@ def choose_attention(requested, device, task, architecture=None):
         return "flash_attention_2"
     if requested == "auto" and not supports["sdpa"]:
         return "eager"
-    if requested == "auto" and task == "causal":
-        # transformers' "sdpa" builds an explicit causal mask under torch.compile with torch 2.12
-        # and older, and SDPA runs no flash kernel with an explicit mask. Our causal batches are
-        # never padded, so this one passes no mask: SDPA's is_causal=True.
-        AttentionInterface.register("sdpa_causal", sdpa_attention_forward)
-        AttentionMaskInterface.register("sdpa_causal", lambda *args, **kwargs: None)
-        return "sdpa_causal"
+    if requested == "auto" and task in ("causal", "image"):
+        # transformers' "sdpa" builds an explicit mask under torch.compile (all true for images),
+        # and SDPA runs no flash kernel with an explicit mask. Our causal batches and images are
+        # never padded, so these pass no mask: SDPA's is_causal is the model's (True, ViT's False).
+        name = "sdpa_causal" if task == "causal" else "sdpa_unmasked"
+        AttentionInterface.register(name, sdpa_attention_forward)
+        AttentionMaskInterface.register(name, lambda *args, **kwargs: None)
+        return name
     if requested == "flash_attention_2" and not usable:
         die("model.attention=flash_attention_2 needs the flash_attn package and a GPU of compute "
             "capability 8.0 or newer -> pip install flash-attn, or use model.attention=sdpa")
