@@ -187,26 +187,37 @@ check_script() {
   report "script" "ok ($(basename "$SCRIPT"))"
 }
 
+probe_python() {  # one interpreter start for the next three checks: importing torch takes seconds
+  PROBE=$("$PYTHON" - "$IS_TRAINER" 2>/dev/null <<'PY'
+import importlib.util, sys
+import torch
+import torch.distributed as dist
+print(f"torch {torch.__version__}, Python {sys.version.split()[0]}")
+needed = ["transformers", "tokenizers", "pyarrow", "yaml", "numpy"] if sys.argv[1] == "1" else []
+print(" ".join(m for m in needed if importlib.util.find_spec(m) is None) or "-")
+gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+print(gpus)
+print(".".join(map(str, torch.cuda.nccl.version())) if gpus and dist.is_nccl_available()
+      else "0.0.0")
+PY
+  ) || PROBE=""
+}
+
 check_python() {
   local version missing
-  version=$("$PYTHON" -c "import torch, sys
-print(f'torch {torch.__version__}, Python {sys.version.split()[0]}')" 2>/dev/null) ||
+  version=$(sed -n 1p <<<"$PROBE")
+  [ -n "$version" ] ||
     fail "python and torch" "'$PYTHON' cannot import torch -> pip install -r $HERE/requirements.txt, or set PYTHON=/path/to/python"
-  if [ "$IS_TRAINER" = 1 ]; then
-    missing=$("$PYTHON" -c "import importlib.util as u
-print(' '.join(m for m in ['transformers', 'tokenizers', 'pyarrow', 'yaml', 'numpy']
-               if u.find_spec(m) is None))")
-    [ -z "$missing" ] || fail "python and torch" "'$PYTHON' cannot import $missing -> pip install -r $HERE/requirements.txt"
-  fi
+  missing=$(sed -n 2p <<<"$PROBE")
+  [ "$missing" = - ] || fail "python and torch" "'$PYTHON' cannot import $missing -> pip install -r $HERE/requirements.txt"
   report "python and torch" "ok ($version)"
 }
 
 check_cuda() {
   if [ "$EXPECT_GPUS" = 0 ]; then report "cuda" "ok (no GPU: CPU with gloo)"; return; fi
   local torch_gpus
-  torch_gpus=$("$PYTHON" -c "import torch
-print(torch.cuda.device_count() if torch.cuda.is_available() else 0)" 2>/dev/null || echo 0)
-  [ "$torch_gpus" -gt 0 ] ||
+  torch_gpus=$(sed -n 3p <<<"$PROBE")
+  [ "${torch_gpus:-0}" -gt 0 ] ||
     fail "cuda" "GPUs are expected but torch.cuda.is_available() is False -> install a CUDA build of torch, check CUDA_VISIBLE_DEVICES, or LAUNCH_DEVICE=cpu"
   TORCH_GPUS=$torch_gpus
   report "cuda" "ok ($torch_gpus GPUs visible to torch)"
@@ -214,13 +225,9 @@ print(torch.cuda.device_count() if torch.cuda.is_available() else 0)" 2>/dev/nul
 
 check_nccl() {
   if [ "$EXPECT_GPUS" = 0 ]; then report "nccl" "ok (not used: gloo)"; return; fi
-  local version
-  version=$("$PYTHON" -c "
-import torch, torch.distributed as dist
-v = torch.cuda.nccl.version() if dist.is_nccl_available() else (0, 0, 0)
-print('.'.join(map(str, v)))" 2>/dev/null || echo 0.0.0)
-  local major minor
-  IFS=. read -r major minor _ <<<"$version"
+  local version major minor
+  version=$(sed -n 4p <<<"$PROBE")
+  IFS=. read -r major minor _ <<<"${version:-0.0.0}"
   if [ "$major" -lt 2 ] || { [ "$major" = 2 ] && [ "$minor" -lt 10 ]; }; then
     fail "nccl" "NCCL $version found, 2.10 or newer needed -> install a torch build with a recent NCCL"
   fi
@@ -335,6 +342,7 @@ check_log_dir() {
 }
 
 check_script
+probe_python
 check_python
 check_cuda
 check_nccl

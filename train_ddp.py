@@ -815,7 +815,7 @@ def load_config(args, use_cuda):
     """DEFAULTS, then config.yaml beside this file (or the .yaml given first), then without a GPU
     the CPU preset, then key=value arguments; each value must have the type of its default."""
     flat, preset = flatten(DEFAULTS), dict(CPU_PRESET)
-    image_preset = dict(CPU_PRESET_IMAGES)  # images
+    image_presets = [dict(CPU_PRESET_IMAGES), dict(GPU_PRESET_DIGITS)]  # images
     config_path = Path(__file__).with_name("config.yaml")
     if args and args[0].endswith((".yaml", ".yml")):
         config_path, args = Path(args[0]), args[1:]
@@ -824,12 +824,14 @@ def load_config(args, use_cuda):
     if config_path.is_file():
         tree = read_yaml(config_path)
         preset = tree.pop("cpu_preset", preset) or {}
-        image_preset = tree.pop("cpu_preset_images", image_preset) or {}  # images
+        image_presets = [tree.pop(name, built_in) or {} for name, built_in in  # images
+                         zip(["cpu_preset_images", "gpu_preset_digits"], image_presets)]  # images
         for key, value in flatten(tree).items():
             flat[key] = typed(flat, key, value, " in the config file")
-    preset.update(vit_preset(args, flat, image_preset))  # images
-    for key, value in preset.items() if not use_cuda else []:
-        flat[key] = typed(flat, key, value, " in cpu_preset")
+    preset = preset if not use_cuda else {}
+    preset = vit_preset(args, flat, preset, image_presets, use_cuda)  # images
+    for key, value in preset.items():
+        flat[key] = typed(flat, key, value, " in a preset")
     for arg in args:
         key, sep, text = arg.partition("=")
         if not sep:
@@ -1326,12 +1328,26 @@ def is_masked_lm_type(cfg):
 CPU_PRESET_IMAGES = {"train.max_steps": 1000, "train.eval_every": 250, "train.crop_padding": 0,
                      "optim.lr": 3e-3, "optim.min_lr": 3e-4, "optim.warmup_steps": 50,
                      "checkpoint.every": 250}
+# With a CUDA GPU, model.type=vit and data.dir at its default (the digits), these replace the
+# defaults: the same small ViT, not compiled (compiling it takes longer than its 1,000 steps).
+GPU_PRESET_DIGITS = {"model.n_layer": 2, "model.n_head": 4, "model.n_embd": 128,
+                     "train.global_batch_size": 32, "train.micro_batch_size": 32,
+                     "train.max_steps": 1000, "train.eval_every": 500, "train.crop_padding": 0,
+                     "train.compile": "false", "optim.lr": 3e-3, "optim.min_lr": 3e-4,
+                     "optim.warmup_steps": 50, "checkpoint.every": 500}
 
 
-def vit_preset(args, flat, image_preset):
-    """The CPU preset's values for images where model.type=vit (from the arguments or the file)."""
-    model_type = dict(arg.partition("=")[::2] for arg in args).get("model.type", flat["model.type"])
-    return image_preset if model_type == "vit" else {}
+def vit_preset(args, flat, preset, image_presets, use_cuda):
+    """The preset where model.type=vit (from the arguments or the file): without a GPU the CPU
+    preset and its images part; with one and the digits (data.dir at its default), the GPU's."""
+    given = dict(arg.partition("=")[::2] for arg in args)
+    if given.get("model.type", flat["model.type"]) != "vit":
+        return preset
+    cpu_images, gpu_digits = image_presets
+    if not use_cuda:
+        return {**preset, **cpu_images}
+    return dict(gpu_digits) if given.get("data.dir", flat["data.dir"]) == DEFAULTS["data"]["dir"] \
+        else preset
 
 
 def is_image_model(cfg):

@@ -226,8 +226,14 @@ STAGES = {
     # against timm's own train benchmark (run_timm) and the HF Trainer on transformers'
     # ViTForImageClassification (hf_trainer_vit_worker)
     "vit_1gpu": {"sides": ["ours", "timm", "hf_trainer_vit"], "images": True, "gpus": 1,
-                 "steps": 120, "skip_steps": 40, "log_every": 10, "timeout_s": 110,
-                 "budget_s": 260},
+                 "steps": 120, "skip_steps": 40, "log_every": 10, "timeout_s": 150,
+                 "budget_s": 300},
+    # the newcomer's ViT demo: `bash launch.sh train_ddp.py model.type=vit` in a fresh copy of the
+    # repository's tracked files (no data/, no out/), wall time from the command to its exit
+    "vit_demo_1gpu": {"sides": ["vit_demo"], "gpus": 1, "timeout_s": 170},
+    # preprocess.py --images with a worker per core against a one-process Pillow loop on 20,000
+    # JPEGs of 500 x 375 (bench_images.py); the loop times its first IMAGES_LOOP_SUBSET files
+    "preprocess_images_1gpu": {"sides": ["preprocess_images"], "gpus": 1, "timeout_s": 240},
 }
 # the tiered run with the allocator's expandable segments: the number of cold rows a step holds
 # varies, so its GPU tensors change size at every step, which can fragment the cache
@@ -1363,11 +1369,87 @@ def dataparallel_worker(stage_name, tiny):
     print("DATAPARALLEL_RESULT " + json.dumps(result), flush=True)
 
 
+def run_vit_demo(stage_name, stage, shape, batch, tiny, port, log):
+    """The quick start's ViT line in a copy of the tracked files: its wall time, and the last
+    validation accuracy and the images/s of its metrics.jsonl."""
+    copy = WORK_DIR / stage_name / "repo"
+    remove_tree(copy)
+    copy.mkdir(parents=True)
+    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True,
+                             text=True, check=True).stdout.split("\0")
+    for name in filter(None, tracked):
+        if (REPO / name).is_file():
+            (copy / name).parent.mkdir(parents=True, exist_ok=True)
+            (copy / name).write_bytes((REPO / name).read_bytes())
+    command = ["bash", "launch.sh", "train_ddp.py", "model.type=vit"]
+    if tiny:
+        command += ["train.max_steps=20", "train.eval_every=10"]
+    env_extra = {**device_env(1, tiny), "MASTER_PORT": str(port)}
+    start, lines = time.perf_counter(), []  # each line with its time: where the wall time goes
+    process = subprocess.Popen(command, cwd=copy, env={**os.environ, "PYTHONUNBUFFERED": "1",
+                                                       **env_extra},
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               errors="replace", start_new_session=True)
+    timer = threading.Timer(stage["timeout_s"], lambda: stop_groups([process]))
+    timer.start()
+    for line in process.stdout:
+        lines.append(f"{time.perf_counter() - start:6.1f}s {line.rstrip()}")
+        log(lines[-1])
+    code, seconds = process.wait(), time.perf_counter() - start
+    timer.cancel()
+    status = "ok" if code == 0 else (f"timeout after {stage['timeout_s']}s"
+                                     if seconds >= stage["timeout_s"] else f"failed (exit {code})")
+    output = "\n".join(lines)
+    metrics = copy / "out" / "metrics.jsonl"
+    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] \
+        if metrics.is_file() else []
+    val = [r for r in records if r.get("kind") == "val"]
+    train = [r for r in records if r.get("kind") == "train"]
+    preset = re.search(r"model vit \(image\), ([\d.]+)M parameters", output)
+    phases = {name: float(found[-1]) for name, pattern in [  # the last line of each kind
+        ("data_ready", r"^ *([\d.]+)s data +ok"), ("launching", r"^ *([\d.]+)s launching:"),
+        ("first_validation", r"^ *([\d.]+)s step 0 \| val loss"),
+        ("last_step", r"^ *([\d.]+)s step \d+/\d+ \|"), ("exported", r"^ *([\d.]+)s exported")]
+        if (found := re.findall(pattern, output, re.MULTILINE))}
+    record = {"command": shell_text(command, env_extra, copy), "phases_s": phases,
+              "status": status, "seconds": round(seconds, 1), "wall_s": round(seconds, 1),
+              "val_accuracy": val[-1].get("val_accuracy") if val else None,
+              "steps": train[-1]["step"] if train else None,
+              "images_per_sec": train[-1].get("images_per_sec") if train else None,
+              "parameters_millions": float(preset.group(1)) if preset else None,
+              "exported": (copy / "out" / "final" / "config.json").is_file()}
+    if status != "ok":
+        record["note"] = failure_note(output)
+    remove_tree(copy)
+    return record
+
+
+IMAGES_LOOP_SUBSET = 4000
+IMAGES_RESULT = re.compile(r"^RESULT (\{.*\})$", re.MULTILINE)
+
+
+def run_preprocess_images(stage_name, stage, shape, batch, tiny, port, log):
+    """bench_images.py: preprocess.py --images with a worker per core against the Pillow loop."""
+    images = 200 if tiny else 20_000
+    command = [sys.executable, "bench/bench_images.py", "--images", str(images), "--rounds", "1",
+               "--loop-images", str(min(images, IMAGES_LOOP_SUBSET)), "--dir",
+               str(WORK_DIR / "jpegs"), "--json", "--skip-one-worker"]
+    status, output, seconds = run_process(command, REPO, {}, stage["timeout_s"], log)
+    found = IMAGES_RESULT.findall(output)
+    result = json.loads(found[-1]) if found else {}
+    record = {"command": shell_text(command, {}, REPO).replace(sys.executable, "python3"),
+              "status": status, "seconds": round(seconds, 1), **result}
+    if status != "ok" or not found:
+        record["note"] = failure_note(output) or "no RESULT line"
+    return record
+
+
 SIDE_RUNNERS = {"dataparallel": run_dataparallel, "ours": run_ours, "ours_fsdp": run_ours,
                 "ours_tiered": run_ours, "nanogpt": run_nanogpt,
                 "nanogpt_micro32": lambda *args: run_nanogpt(*args, micro_batch_size=32),
                 "hf_trainer": run_hf_trainer, "hf_trainer_compiled": run_hf_trainer,
-                "hf_trainer_vit": run_hf_trainer, "timm": run_timm}
+                "hf_trainer_vit": run_hf_trainer, "timm": run_timm, "vit_demo": run_vit_demo,
+                "preprocess_images": run_preprocess_images}
 
 
 # ----------------------------------------------------------------------------- 6. figures
@@ -1588,6 +1670,22 @@ def figures(stage_records):
             + ("; the baseline ran on another day" if other_day else ""))
     reference_figures(by_stage, row)
     vit_figures(by_stage.get("vit_1gpu", {}), row)
+    demo = by_stage.get("vit_demo_1gpu", {}).get("vit_demo")
+    if demo:
+        for metric, key, unit in [("vit_demo_1gpu_val_accuracy", "val_accuracy",
+                                   "fraction of the digits' validation images"),
+                                  ("vit_demo_1gpu_wall_s", "wall_s",
+                                   "s from the command to its exit, preparation and export in")]:
+            row(metric, demo.get(key), unit, None, None, demo.get("command"), None, demo,
+                demo.get("note"))
+    images = by_stage.get("preprocess_images_1gpu", {}).get("preprocess_images")
+    if images:
+        row(f"preprocess_images_vs_pillow_loop_{images.get('cpus')}cores",
+            images.get("pipeline_images_per_sec"), "images/s",
+            f"a one-process Pillow loop of open, convert, resize and crop, on the first "
+            f"{images.get('loop_images')} of the same files, same call",
+            images.get("loop_images_per_sec"), images.get("command"), images.get("command"),
+            images, images.get("note"))
     return rows
 
 
