@@ -2234,8 +2234,8 @@ def run_stage(stage_name, tiny, machine, timeout_s, port, log, keep):
             log(f"=== {stage_name} / {side}: {status}")
             records.append(keep({**base, "side": side, "status": status}))
             continue
-        log(f"=== {stage_name} / {side}: {stage['steps']} steps, window after step "
-            f"{stage['skip_steps']}, timeout {timeout}s")
+        log(f"=== {stage_name} / {side}: " + (f"{stage['steps']} steps, window after step "
+            f"{stage['skip_steps']}, " if "steps" in stage else "") + f"timeout {timeout}s")
         side_stage, side_port = {**stage, "timeout_s": timeout}, port + index
         try:
             base_side = side.split(":", 1)[1] if side.startswith(("two_nodes:", "netns:")) else side
