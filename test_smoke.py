@@ -49,7 +49,6 @@ import unittest.mock
 from pathlib import Path
 
 import numpy as np
-
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -247,7 +246,6 @@ def corpus_dir(tmp_path_factory):
             name = rng.choice(names)
             lines.append(f"def {name}_{function_index}(x, y):\n"
                          f"    return x * {function_index} + y - {doc_index % 7}\n")
-
         (directory / f"doc_{doc_index:03d}.txt").write_text("\n".join(lines))
     return directory
 
@@ -968,7 +966,6 @@ def bad_images_args(case, tmp_path):
     ("workers_0", "--workers 0 is not positive"),
     ("everything_held_out", "--val-fraction 1.0 holds out"),
     ("a_text_option_with_images", "--vocab-size does not go with --images"),
-
     ("an_image_option_without_images", "--image-size does not go without --images")])
 def test_bad_images_input_is_one_error_line_exit_2_and_no_output(tmp_path, monkeypatch, case,
                                                                  fragment):
@@ -1399,8 +1396,6 @@ def test_untying_a_pretrained_tied_model_starts_its_output_layer_as_a_copy(tmp_p
                                 use_cuda=False)
     meta = {"vocab_size": 128, "special_tokens": dict(zip(SPECIAL_ROLES, range(5)))}
     model, _ = train_ddp.build_model(cfg, "causal", meta, torch.device("cpu"))
-
-
     embedding, output = model.get_input_embeddings().weight, model.get_output_embeddings().weight
     assert output is not embedding and torch.equal(output, embedding)
 
@@ -2108,7 +2103,6 @@ def process_env(pid):
 
 def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step_with_a_checkpoint(
         data_dir, tmp_path):
-
     """A preemption notice may reach one process only: rank 1 gets SIGTERM, every rank stops after
     the same step, the checkpoint of that step is written, the job exits non-zero, and a new start
     resumes from it."""
@@ -2967,7 +2961,6 @@ def test_validation_counts_every_image_once_on_any_number_of_ranks(vit_run, vit_
     assert error is None, error
     one, two, three = (read_metrics(out, "val")[0]
                        for out in (tmp_path, copy / "out", vit_fsdp_run[0]))
-
     assert one["val_accuracy"] == two["val_accuracy"] == three["val_accuracy"]
     assert two["val_loss"] == pytest.approx(one["val_loss"], rel=1e-5)
     assert three["val_loss"] == pytest.approx(one["val_loss"], rel=1e-5)
@@ -3419,7 +3412,6 @@ def test_json_path_that_cannot_be_written_is_refused_before_any_work(tmp_path):
     (["--model-type", "gpt2"], "--model-type gpt2 cannot be built with"),
     # nan passed `<= 0`, then broke the backends' timeout at connect
     (["--timeout", "nan"], "both finite"),
-
 ])
 def test_options_that_would_fail_late_are_checked_before_any_rank_connects(monkeypatch, capsys,
                                                                            options, message):
@@ -3538,7 +3530,6 @@ def test_each_launch_check_fails_with_its_message(case, data_dir, tmp_path, busy
                       {"PYTHONPATH": write_fake_torch(tmp_path / "one_gpu", True, 1),
                        "LAUNCH_DEVICE": "cuda", "NPROC_PER_NODE": "4"},
                       "processes per node", "only 1 GPUs"),
-
         "config": ([*trainer_args, "optim.learning_rate=1e-3"], {}, "config",
                    "optim.learning_rate"),
         "data": ([f"data.dir={tmp_path}/nothing_here", *trainer_args[1:]], {}, "data",
@@ -3734,7 +3725,6 @@ def test_bench_reads_nanogpt_and_our_logs_over_the_same_window_and_writes_one_ro
     nanogpt_output = "step 0: train loss 9.0, val loss 9.0\n" + "".join(
         f"iter {i}: loss 9.0{i}, time {30000.0 if i < 2 else 500.0:.2f}ms, mfu -100.00%\n"
         for i in range(6))
-
     theirs = bench.read_nanogpt_log(nanogpt_output, tokens_per_step=1000, skip_steps=2)
     assert theirs["tokens_per_sec"] == pytest.approx(2000.0) and theirs["window"] == "steps 3-6"
     # ours: intervals of 2 steps; skip 2 -> steps 3-4 (2000 tokens at 1000/s) and 5-6 (2000 at
@@ -4123,7 +4113,6 @@ def test_bench_random_image_data_is_preprocess_images_layout_in_arrow_files(tmp_
         "format_version": 1, "kind": "images", "image_size": 32, "channels": 3,
         "classes": [f"class_{i}" for i in range(10)], "mean": [0.5, 0.5, 0.5],
         "std": [0.29, 0.29, 0.29],
-
         "splits": {"train": {"files": ["train-00000.arrow"], "images": 1500},
                    "val": {"files": ["val-00000.arrow"], "images": 300}},
         "skipped": {"count": 0, "examples": []}, "source": "bench.py random_image_data"}
@@ -4260,7 +4249,6 @@ def ruff(*paths, select=None):
 def test_the_scripts_bench_and_these_tests_pass_the_linter_lines_of_100_characters_at_most():
     result = ruff("preprocess.py", "train_ddp.py", "train_fsdp.py", "stress_test.py", "bench",
                   "test_smoke.py")
-
     assert result.returncode == 0, result.stdout[-3000:]
     assert 'line-length = 100' in (REPO / "pyproject.toml").read_text()
 
@@ -4409,4 +4397,3 @@ def test_main_and_train_step_fit_their_budgets_and_the_core_comes_first():
     fsdp = (REPO / "train_fsdp.py").read_text()
     assert fsdp.index("def step_verdict") < fsdp.index("def shard_model") \
         < fsdp.index("def save_checkpoint")
-
