@@ -1543,12 +1543,12 @@ def test_gradient_is_the_same_for_any_split_into_ranks_and_micro_batches_and_eit
     for split, gradient in gradients.items():
         assert ((gradient - reference).norm() / reference.norm()) < 1e-5, split
         assert losses[split] == pytest.approx(losses[1, 4], rel=1e-6)
-    inline, ddp = read_metrics(tmp_path / "w2m2", "train")[0], \
-        read_metrics(tmp_path / "w2m1", "train")[0]
-    assert inline["comm_exposed_ms"] >= 0 \
-        and 0 < inline["allreduce_p50_ms"] <= inline["allreduce_p95_ms"], inline
-    assert ddp["comm_exposed_ms"] >= 0 and 0 < ddp["allreduce_p50_ms"] <= ddp["allreduce_p95_ms"], \
-        ddp
+    records = read_metrics(tmp_path / "w2m2", "train") + read_metrics(tmp_path / "w2m1", "train")
+    for record in records:
+        # the last bucket's all-reduce starts when backward ends: some of it is exposed, and never
+        # more than the step took
+        assert 0 < record["comm_exposed_ms"] < 1000 / record["steps_per_sec"], record
+        assert 0 < record["allreduce_p50_ms"] <= record["allreduce_p95_ms"], record
 
 
 # ---- train_ddp.py: train_step --------------------------------------------------------------------
@@ -1828,7 +1828,8 @@ def test_ddp_times_its_own_all_reduces_and_the_communication_backward_did_not_hi
     numbers on gloo too."""
     for record in read_metrics(trained_run[0], "train"):
         assert 0 < record["allreduce_p50_ms"] <= record["allreduce_p95_ms"], record
-        assert record["comm_exposed_ms"] >= 0, record
+        # the last bucket's all-reduce ends after backward: exposed, within the step's time
+        assert 0 < record["comm_exposed_ms"] < 1000 / record["steps_per_sec"], record
 
 
 # ---- train_ddp.py: checkpoints and resume --------------------------------------------------------
