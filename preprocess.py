@@ -991,9 +991,14 @@ def to_rgb(image):
     return image.convert("RGB")
 
 
+# chunks the workers decode while this process writes one: with a single one they idle at each
+# chunk's end, until this process hands them the next
+CHUNKS_IN_FLIGHT = 3
+
+
 def decoded_chunks(items, size, workers):
-    """(items, decode_image results) chunk by chunk, in order; with a pool, the next chunk decodes
-    while this one is written, and at most two are in memory."""
+    """(items, decode_image results) chunk by chunk, in order; with a pool, the next chunks decode
+    while this one is written, and at most CHUNKS_IN_FLIGHT + 1 are in memory."""
     import multiprocessing
     import signal
     chunk_images = max(256, 16 * workers)
@@ -1008,16 +1013,16 @@ def decoded_chunks(items, size, workers):
     # Ctrl-C goes to the whole process group: the workers leave it to this process
     with context.Pool(workers, initializer=signal.signal,
                       initargs=(signal.SIGINT, signal.SIG_IGN)) as pool:
-        pending = None
+        pending = []
         for chunk in chunks_of_items:
             tasks = [(data, size) for _, _, _, data in chunk]
-            submitted = chunk, pool.map_async(decode_image, tasks,
-                                              chunksize=max(1, len(tasks) // (4 * workers)))
-            if pending:
-                yield pending[0], pending[1].get()
-            pending = submitted
-        if pending:
-            yield pending[0], pending[1].get()
+            pending.append((chunk, pool.map_async(decode_image, tasks,
+                                                  chunksize=max(1, len(tasks) // (4 * workers)))))
+            if len(pending) > CHUNKS_IN_FLIGHT:
+                done, results = pending.pop(0)
+                yield done, results.get()
+        for done, results in pending:
+            yield done, results.get()
 
 
 def write_image_shards(source, out_dir, size, val_fraction, workers, upsample=False):

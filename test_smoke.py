@@ -1074,6 +1074,26 @@ def test_config_override_is_typed_and_wins_over_the_cpu_preset():
     assert cfg_gpu.model.n_layer == 12  # the preset is only for machines without a GPU
 
 
+def test_a_vit_on_the_digits_takes_the_gpu_preset_and_on_other_images_the_defaults():
+    """With a GPU, the digits demo trains the small ViT uncompiled; a ViT on the user's own images
+    keeps the defaults; on a CPU every ViT takes the CPU preset. The command line wins each time."""
+    import train_fsdp
+    for trainer in (train_ddp, train_fsdp):
+        digits = trainer.load_config(["model.type=vit"], use_cuda=True)
+        assert (digits.model.n_layer, digits.train.compile, digits.train.max_steps) == \
+            (2, "false", 1000)
+        assert digits.train.micro_batch_size == digits.train.global_batch_size == 32
+        own = trainer.load_config(["model.type=vit", "data.dir=data/pets"], use_cuda=True)
+        assert (own.model.n_layer, own.train.compile, own.train.max_steps) == (12, "auto", 300)
+        cpu = trainer.load_config(["model.type=vit", "data.dir=data/pets"], use_cuda=False)
+        assert (cpu.model.n_layer, cpu.train.max_steps, cpu.train.crop_padding) == (2, 1000, 0)
+        text = trainer.load_config([], use_cuda=True)
+        assert (text.model.n_layer, text.train.compile) == (12, "auto")
+        mine = trainer.load_config(["model.type=vit", "train.max_steps=7", "model.n_layer=3"],
+                                   use_cuda=True)
+        assert (mine.model.n_layer, mine.train.max_steps, mine.train.eval_every) == (3, 7, 500)
+
+
 @pytest.mark.parametrize("override, fragments", [
     (["train.max_step=5"], ["unknown config key 'train.max_step'",
                             "did you mean 'train.max_steps'"]),
@@ -4345,11 +4365,11 @@ def test_config_yaml_holds_exactly_the_defaults_built_into_both_trainers_and_pre
     alone."""
     import train_fsdp
     tree = train_ddp.read_yaml(REPO / "config.yaml")
-    cpu_preset, image_preset = tree.pop("cpu_preset"), tree.pop("cpu_preset_images")
+    presets = [tree.pop(name) for name in ["cpu_preset", "cpu_preset_images", "gpu_preset_digits"]]
     for trainer in (train_ddp, train_fsdp):
         assert train_ddp.flatten(tree) == trainer.flatten(trainer.DEFAULTS)
-        for in_file, built_in in [(cpu_preset, trainer.CPU_PRESET),
-                                  (image_preset, trainer.CPU_PRESET_IMAGES)]:
+        built_ins = [trainer.CPU_PRESET, trainer.CPU_PRESET_IMAGES, trainer.GPU_PRESET_DIGITS]
+        for in_file, built_in in zip(presets, built_ins):
             assert {key: float(value) if isinstance(built_in[key], float) else value
                     for key, value in in_file.items()} == built_in
     assert preprocess.DEFAULTS == tree["data"]
