@@ -3457,7 +3457,8 @@ def test_options_that_would_fail_late_are_checked_before_any_rank_connects(monke
 
 def test_launch_script_is_clean_under_shellcheck():
     if shutil.which("shellcheck") is None:
-        pytest.fail("shellcheck is not installed (apt-get install shellcheck; .ci/run does it)")
+        pytest.fail("shellcheck is not installed -> apt-get install shellcheck (.ci/run does it)",
+                    pytrace=False)
     result = run(["shellcheck", "launch.sh"])
     assert result.returncode == 0, result.stdout
 
@@ -4264,6 +4265,8 @@ def top_level_sources(path):
 
 
 def ruff(*paths, select=None):
+    if importlib.util.find_spec("ruff") is None:
+        pytest.fail("ruff is not installed -> pip install -r requirements-dev.txt", pytrace=False)
     return run([sys.executable, "-m", "ruff", "check", *(["--select", select] if select else []),
                 *map(str, paths)])
 
