@@ -969,7 +969,7 @@ def decode_image(task):
     new_size = (size, size * height // width) if width <= height else \
         (size * width // height, size)
     resized = rgb.resize(new_size, Image.Resampling.BICUBIC)
-    left, top = round((new_size[0] - size) / 2), round((new_size[1] - size) / 2)
+    left, top = (new_size[0] - size) // 2, (new_size[1] - size) // 2  # as transformers' crop
     pixels = np.asarray(resized.crop((left, top, left + size, top + size)))
     # from histograms: exact integers, and many times faster than sums over the pixel axis
     counts = np.stack([np.bincount(pixels[..., channel].ravel(), minlength=256)

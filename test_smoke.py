@@ -687,7 +687,7 @@ def pillow_reference(path, size):
     width, height = rgb.size
     new = (size, size * height // width) if width <= height else (size * width // height, size)
     resized = rgb.resize(new, Image.Resampling.BICUBIC)
-    left, top = round((new[0] - size) / 2), round((new[1] - size) / 2)
+    left, top = (new[0] - size) // 2, (new[1] - size) // 2  # transformers' centre crop floors
     return np.asarray(resized.crop((left, top, left + size, top + size)))
 
 
@@ -3036,6 +3036,49 @@ def test_a_pretrained_vit_gets_a_new_classifier_for_other_classes_and_keeps_its_
     meta["image_size"] = 64
     with pytest.raises(train_ddp.UserError, match="trained on 32-pixel images"):
         train_ddp.build_model(cfg, "image", meta, torch.device("cpu"))
+    meta["image_size"] = 32
+    for classes, kept, said in [(list("vwxyz"), False, "a new classifier for 5 classes "
+                                 "(model.pretrained has 5, other names): it starts from random"),
+                                ([f"LABEL_{i}" for i in range(5)], True,
+                                 "the classifier of model.pretrained is kept: the same 5 classes")]:
+        model, _ = train_ddp.build_model(cfg, "image", {**meta, "classes": classes},
+                                         torch.device("cpu"))
+        assert said in capsys.readouterr().out
+        assert torch.equal(model.classifier.weight, saved["classifier.weight"]) is kept
+        assert model.config.id2label[0] == classes[0]
+
+
+def test_images_too_small_for_4_by_4_patches_are_one_line_error():
+    meta = {"image_size": 3, "classes": ["a", "b"], "mean": [0.5] * 3, "std": [0.25] * 3}
+    cfg = train_ddp.load_config(["model.type=vit"], use_cuda=False)
+    with pytest.raises(train_ddp.UserError, match="too few for 4 x 4 patches -> prepare them "
+                                                  "with --image-size 4 or more"):
+        train_ddp.vit_config(cfg, meta)
+
+
+def test_the_exported_image_processor_gives_the_pixels_preprocess_wrote_for_any_crop_margin(
+        tmp_path):
+    """The pipeline's processor (resize the shorter side, centre crop, normalise) on a file equals
+    preprocess.py's pixels, normalised: also where the crop margin is odd (3 pixels here)."""
+    from transformers import AutoConfig, AutoImageProcessor, AutoModelForImageClassification
+    meta = {"image_size": 32, "classes": ["a", "b"], "mean": [0.4, 0.5, 0.6],
+            "std": [0.2, 0.25, 0.3]}
+    config = AutoConfig.for_model("vit", hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                  intermediate_size=64, image_size=32, patch_size=8, num_labels=2)
+    train_ddp.export_image_model(AutoModelForImageClassification.from_config(config), meta,
+                                 tmp_path)
+    processor = AutoImageProcessor.from_pretrained(tmp_path)
+    for width, height in [(35, 32), (32, 39), (36, 32)]:  # margins of 3, 7 and 4 pixels
+        path = tmp_path / f"{width}x{height}.png"
+        rng = np.random.default_rng(width * height)
+        Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(path)
+        pixels, *_ = preprocess.decode_image((str(path), 32))
+        ours = np.frombuffer(pixels, np.uint8).reshape(32, 32, 3).transpose(2, 0, 1) / 255
+        expected = (ours - np.array(meta["mean"])[:, None, None]) / np.array(meta["std"])[:, None,
+                                                                                         None]
+        with Image.open(path) as image:
+            served = processor(images=image, return_tensors="np")["pixel_values"][0]
+        assert np.abs(served - expected).max() < 1e-5, (width, height)
 
 
 def test_a_vit_on_text_data_is_refused_with_the_command_that_prepares_images(data_dir):

@@ -1509,13 +1509,13 @@ def vit_config(cfg, meta):
             die(f"{cfg.model.pretrained} was trained on {config.image_size}-pixel images, "
                 f"{cfg.data.dir} holds {size}-pixel ones -> prepare them with --image-size "
                 f"{config.image_size}")
-        if config.num_labels != len(classes) or list(config.id2label.values()) != classes:
-            log0(f"a new classifier for {len(classes)} classes (model.pretrained has "
-                 f"{config.num_labels}): it starts from random weights")
         config.update(labels)
         return config
     check_heads(cfg)
     patch = cfg.model.patch_size or min(16, size // 4)  # 16 as ViT-B/16; 4 x 4 patches at least
+    if patch == 0:
+        die(f"the images are {size} pixels, too few for 4 x 4 patches -> prepare them with "
+            "--image-size 4 or more")
     if size % patch:
         die(f"the images are {size} pixels, not a multiple of model.patch_size={patch} -> give a "
             "model.patch_size that divides it")
@@ -1523,6 +1523,22 @@ def vit_config(cfg, meta):
         "vit", hidden_size=cfg.model.n_embd, num_hidden_layers=cfg.model.n_layer,
         num_attention_heads=cfg.model.n_head, image_size=size, patch_size=patch,
         intermediate_size=cfg.model.intermediate_size or 4 * cfg.model.n_embd, **labels)
+
+
+def keep_or_renew_classifier(model, cfg, meta):
+    """A pretrained ViT keeps its classifier for the same class names in the same order; for any
+    others it gets a new one (from_pretrained would keep one of the same shape)."""
+    pretrained = load_pretrained_config(cfg.model.pretrained)
+    names, classes = [pretrained.id2label[i] for i in range(pretrained.num_labels)], meta["classes"]
+    if names == classes:
+        log0(f"the classifier of model.pretrained is kept: the same {len(classes)} classes")
+        return
+    with torch.no_grad():  # as ViT initialises a linear layer
+        torch.nn.init.trunc_normal_(model.classifier.weight, std=model.config.initializer_range)
+        torch.nn.init.zeros_(model.classifier.bias)
+    same_count = ", other names" if len(names) == len(classes) else ""
+    log0(f"a new classifier for {len(classes)} classes (model.pretrained has {len(names)}"
+         f"{same_count}): it starts from random weights")
 
 
 def vit_flops_counter(raw_model):
@@ -1652,6 +1668,8 @@ def build_model(cfg, task, meta, device):
     except (OSError, ValueError) as error:
         die(f"cannot load model.pretrained={cfg.model.pretrained} ({first_line(error)}) -> give a "
             "directory written by save_pretrained")
+    if task == "image":  # images
+        keep_or_renew_classifier(model, cfg, meta)  # images
     if config.tied_by_the_model and not config.tie_word_embeddings:
         # a tied checkpoint holds one table, and transformers would leave an untied output layer
         # random: it starts as the copy it was while tied

@@ -53,7 +53,7 @@ def plain_loop(paths, size):
         new_size = (size, size * height // width) if width <= height else \
             (size * width // height, size)
         resized = rgb.resize(new_size, Image.Resampling.BICUBIC)
-        left, top = round((new_size[0] - size) / 2), round((new_size[1] - size) / 2)
+        left, top = (new_size[0] - size) // 2, (new_size[1] - size) // 2
         np.asarray(resized.crop((left, top, left + size, top + size))).tobytes()
     return len(paths)
 
