@@ -1433,7 +1433,7 @@ def run_preprocess_images(stage_name, stage, shape, batch, tiny, port, log):
     images = 200 if tiny else 20_000
     command = [sys.executable, "bench/bench_images.py", "--images", str(images), "--rounds", "1",
                "--loop-images", str(min(images, IMAGES_LOOP_SUBSET)), "--dir",
-               str(WORK_DIR / "jpegs"), "--json", "--skip-one-worker"]
+               str((WORK_DIR / "jpegs").relative_to(REPO)), "--json", "--skip-one-worker"]
     status, output, seconds = run_process(command, REPO, {}, stage["timeout_s"], log)
     found = IMAGES_RESULT.findall(output)
     result = json.loads(found[-1]) if found else {}
@@ -1963,6 +1963,40 @@ def percent(value):
     return "—" if value is None else f"{100 * value:.1f}%"
 
 
+SUMMARY_OF_THEIR_OWN = ("vit_demo_1gpu", "preprocess_images_1gpu")  # no tokens, no steps
+
+
+def demo_and_preprocess_table(stage_records):
+    demos = [r for r in stage_records if r["stage"] == "vit_demo_1gpu"]
+    images = [r for r in stage_records if r["stage"] == "preprocess_images_1gpu"]
+    lines = []
+    if demos:
+        lines += ["", "The ViT demo as a newcomer runs it: `bash launch.sh train_ddp.py "
+                  "model.type=vit` in a fresh copy of the tracked files (no data/, no out/), wall "
+                  "time from the command to its exit, the digits' preparation and the export "
+                  "included; phases: seconds since the command at the last line of each kind.", "",
+                  "| run | wall s | val accuracy | steps | images/s | phases (s) | status |",
+                  "|---|---|---|---|---|---|---|"]
+        lines += [f"| {index} | {r.get('wall_s')} | {percent(r.get('val_accuracy'))} "
+                  f"| {r.get('steps')} | {number(r.get('images_per_sec'))} | "
+                  + ", ".join(f"{k} {v}" for k, v in (r.get("phases_s") or {}).items())
+                  + f" | {r.get('status')} |" for index, r in enumerate(demos, 1)]
+    if images:
+        lines += ["", "preprocess.py --images with a worker per core against a one-process Pillow "
+                  "loop (open, convert, resize, crop) in the same call, on JPEGs of 500 x 375 to "
+                  "224 px (bench_images.py); the loop is timed on the first files, its rate the "
+                  "figure.", "",
+                  "| JPEGs | MB | cores | loop: images | loop images/s | pipeline s | "
+                  "pipeline images/s | vs loop | status |", "|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {number(r.get('images'))} | {number(r.get('megabytes'))} | {r.get('cpus')} "
+                  f"| {number(r.get('loop_images'))} | {number(r.get('loop_images_per_sec'))} "
+                  f"| {r.get('pipeline_seconds')} | {number(r.get('pipeline_images_per_sec'))} "
+                  f"| {number(r.get('vs_loop'), 2)}x | {r.get('status')} |"
+                  for r in [{**r, "vs_loop": ratio(r.get("pipeline_images_per_sec"),
+                                                   r.get("loop_images_per_sec"))} for r in images]]
+    return lines
+
+
 def summary_markdown(stage_records, rows):
     """The dated section for RESULTS.md: how it was measured, tables, figures, commands."""
     first = stage_records[0]
@@ -1979,6 +2013,8 @@ def summary_markdown(stage_records, rows):
         f"`{invocations}` at commit {first.get('repo_commit')}; nanoGPT "
         f"karpathy/nanoGPT@{first.get('nanogpt_commit')} "
         f"(NCCL_NVLS_ENABLE={first.get('nccl_nvls_enable')}). "
+        + ("" if all(STAGES.get(r["stage"], {}).get("images") or r["stage"] in SUMMARY_OF_THEIR_OWN
+                     for r in stage_records) else  # no tokens in these
         "Every side: the same steps, tokens/s = the tokens of the steps after the warm-up window / "
         "their wall time (ours: its metrics.jsonl intervals; nanoGPT: its per-iteration "
         "`time ...ms`; HF Trainer: a CUDA-synchronized clock at two step ends). "
@@ -1987,15 +2023,17 @@ def summary_markdown(stage_records, rows):
         "the same formula from its tokens/s. ratio = ours / baseline. Data: ours reads data/stdlib "
         "(launch.sh prepares it), nanoGPT and the HF Trainer read uniform random tokens of the "
         "same vocabulary (out/bench/random_tokens); a causal step of fixed length does the same "
-        "work on either.",
+        "work on either."),
     ]
     by_stage = sides_by_stage(stage_records)
     lines += nanogpt_table(by_stage)
     lines += sides_table([r for r in stage_records if r["stage"] not in SHAPE_STAGES
                           and not r["stage"].startswith("hf_")
-                          and not STAGES.get(r["stage"], {}).get("images")])
+                          and not STAGES.get(r["stage"], {}).get("images")
+                          and r["stage"] not in SUMMARY_OF_THEIR_OWN])
     lines += hf_trainer_table(by_stage)
     lines += vit_table(by_stage)
+    lines += demo_and_preprocess_table(stage_records)
     lines += row_list("Gradient reducers and bf16 compression, 2 GPUs",
                       [row for row in rows
                        if row["metric"].startswith(("shapeA_2gpu_ours_", "shapeB_2gpu_ours_"))],
