@@ -278,7 +278,7 @@ VARIANTS = {
         ("    loss_of = torch.compile(token_loss_sum) if use_compile else token_loss_sum",
          "    loss_of = token_loss_sum")],
     "use_cache": [("    config.use_cache = False", "    config.use_cache = True")],
-    "sdpa_masked": [("    if requested == \"auto\" and task == \"causal\":",
+    "sdpa_masked": [("    if requested == \"auto\" and task in (\"causal\", \"image\"):",
                      "    if False:")],  # transformers' own sdpa
     "sync_debug": [("def main():\n", "def main():\n    import warnings\n"
                     "    warnings.simplefilter('always')\n"
