@@ -1156,6 +1156,30 @@ def test_global_batch_that_does_not_divide_is_refused():
     assert "train.micro_batch_size=3 (the same global batch)" in error
 
 
+def test_the_config_file_wins_over_the_presets_which_set_only_what_it_left_at_the_defaults(
+        tmp_path, monkeypatch, capsys):
+    """The shipped config.yaml holds the defaults, so the CPU preset applies through it; a value the
+    user changed in a config file (given first, or the one beside the trainer) stays, arguments win
+    over both, and rank 0 logs what the preset set."""
+    edited = (REPO / "config.yaml").read_text().replace("max_steps: 300", "max_steps: 7") \
+        .replace("n_layer: 12", "n_layer: 3")
+    (tmp_path / "mine.yaml").write_text(edited)
+    (tmp_path / "config.yaml").write_text(edited)
+    cfg = train_ddp.load_config([str(tmp_path / "mine.yaml")], use_cuda=False)
+    assert (cfg.train.max_steps, cfg.model.n_layer, cfg.model.n_embd) == (7, 3, 128)
+    logged = capsys.readouterr().out
+    assert logged.startswith("preset cpu_preset: model.n_head=4, model.n_embd=128,") \
+        and "train.max_steps" not in logged and "model.n_layer" not in logged, logged
+    monkeypatch.setattr(train_ddp, "__file__", str(tmp_path / "train_ddp.py"))  # beside it
+    vit = train_ddp.load_config(["model.type=vit", "train.eval_every=9"], use_cuda=False)
+    assert (vit.train.max_steps, vit.model.n_layer, vit.train.eval_every,
+            vit.train.crop_padding) == (7, 3, 9, 0)
+    assert "preset cpu_preset + cpu_preset_images: " in capsys.readouterr().out
+    monkeypatch.setenv("RANK", "1")  # load_config runs before the process group: rank 0 says it
+    assert train_ddp.load_config(["train.max_steps=9"], use_cuda=False).train.max_steps == 9
+    assert capsys.readouterr().out == ""
+
+
 # ---- train_ddp.py: distributed init --------------------------------------------------------------
 
 def test_bf16_and_flash_attention_are_chosen_by_compute_capability(monkeypatch):

@@ -81,7 +81,8 @@ DEFAULTS = {
     "dist": dict(backend="auto", timeout_s=600, reducer="torch", bucket_mb=25.0,
                  grad_compression="none"),
 }
-# Without a CUDA GPU these replace the defaults: the whole demo then ends in minutes on a laptop.
+# Without a CUDA GPU these replace the defaults the config file left as they are: the whole demo
+# then ends in minutes on a laptop.
 CPU_PRESET = {"model.n_layer": 2, "model.n_head": 4, "model.n_embd": 128, "train.seq_len": 128,
               "train.global_batch_size": 32, "train.micro_batch_size": 16, "train.max_steps": 200,
               "train.eval_every": 50, "train.eval_batches": 4, "optim.lr": 2e-3,
@@ -805,9 +806,12 @@ ConfigLoader.add_implicit_resolver(
 
 
 def load_config(args, use_cuda):
-    """DEFAULTS, then config.yaml beside this file (or the .yaml given first), then without a GPU
-    the CPU preset, then key=value arguments; each value must have the type of its default."""
-    flat, preset = flatten(DEFAULTS), dict(CPU_PRESET)
+    """DEFAULTS, then config.yaml beside this file (or the .yaml given first), then key=value
+    arguments (of a key given twice, the last); each value must have the type of its default. A
+    preset (no GPU; or a ViT on the digits) sets only keys that the file and the arguments left at
+    their defaults, and says which."""
+    defaults = flatten(DEFAULTS)
+    flat, preset = dict(defaults), dict(CPU_PRESET)
     image_presets = [dict(CPU_PRESET_IMAGES), dict(GPU_PRESET_DIGITS)]  # images
     config_path = Path(__file__).with_name("config.yaml")
     if args and args[0].endswith((".yaml", ".yml")):
@@ -821,14 +825,24 @@ def load_config(args, use_cuda):
                          zip(["cpu_preset_images", "gpu_preset_digits"], image_presets)]  # images
         for key, value in flatten(tree).items():
             flat[key] = typed(flat, key, value, " in the config file")
-    preset = preset if not use_cuda else {}
-    preset = vit_preset(args, flat, preset, image_presets, use_cuda)  # images
-    for key, value in preset.items():
-        flat[key] = typed(flat, key, value, " in a preset")
+    given = {}
     for arg in args:
         key, sep, text = arg.partition("=")
         if not sep:
             die(f"argument '{arg}' is not key=value -> write it like train.max_steps=100")
+        given[key] = text
+    preset_name, preset = ("cpu_preset", preset) if not use_cuda else ("", {})
+    preset_name, preset = vit_preset(given, flat, preset_name, preset, image_presets,  # images
+                                     use_cuda)  # images
+    applied = {}
+    for key, value in flatten(preset).items():
+        value = typed(flat, key, value, f" in {preset_name}")
+        if flat[key] == defaults[key] and key not in given:  # the file and arguments win
+            flat[key] = applied[key] = value
+    if applied:
+        log0(f"preset {preset_name}: {', '.join(f'{k}={v}' for k, v in applied.items())} (keys "
+             "left at their defaults; give one to override it)")
+    for key, text in given.items():
         if key in flat and not isinstance(flat[key], str):
             with contextlib.suppress(yaml.YAMLError):
                 text = yaml.load(text, Loader=ConfigLoader)
@@ -1328,17 +1342,18 @@ GPU_PRESET_DIGITS = {"model.n_layer": 2, "model.n_head": 4, "model.n_embd": 128,
                      "optim.warmup_steps": 50, "checkpoint.every": 500}
 
 
-def vit_preset(args, flat, preset, image_presets, use_cuda):
-    """The preset where model.type=vit (from the arguments or the file): without a GPU the CPU
-    preset and its images part; with one and the digits (data.dir at its default), the GPU's."""
-    given = dict(arg.partition("=")[::2] for arg in args)
+def vit_preset(given, flat, name, preset, image_presets, use_cuda):
+    """The preset where model.type=vit (from the arguments or the file), and its name: without a
+    GPU the CPU preset and its images part; with one and the digits (data.dir at its default), the
+    GPU's."""
     if given.get("model.type", flat["model.type"]) != "vit":
-        return preset
+        return name, preset
     cpu_images, gpu_digits = image_presets
     if not use_cuda:
-        return {**preset, **cpu_images}
-    return dict(gpu_digits) if given.get("data.dir", flat["data.dir"]) == DEFAULTS["data"]["dir"] \
-        else preset
+        return "cpu_preset + cpu_preset_images", {**preset, **cpu_images}
+    if given.get("data.dir", flat["data.dir"]) == DEFAULTS["data"]["dir"]:
+        return "gpu_preset_digits", dict(gpu_digits)
+    return name, preset
 
 
 def is_image_model(cfg):
