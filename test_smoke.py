@@ -1083,6 +1083,8 @@ def test_a_vit_on_the_digits_takes_the_gpu_preset_and_on_other_images_the_defaul
         assert (digits.model.n_layer, digits.train.compile, digits.train.max_steps) == \
             (2, "false", 1000)
         assert digits.train.micro_batch_size == digits.train.global_batch_size == 32
+        named = trainer.load_config(["model.type=vit", "data.dir=data/digits"], use_cuda=True)
+        assert (named.model.n_layer, named.train.compile) == (2, "false")
         own = trainer.load_config(["model.type=vit", "data.dir=data/pets"], use_cuda=True)
         assert (own.model.n_layer, own.train.compile, own.train.max_steps) == (12, "auto", 300)
         cpu = trainer.load_config(["model.type=vit", "data.dir=data/pets"], use_cuda=False)
@@ -1178,6 +1180,43 @@ def test_the_config_file_wins_over_the_presets_which_set_only_what_it_left_at_th
     monkeypatch.setenv("RANK", "1")  # load_config runs before the process group: rank 0 says it
     assert train_ddp.load_config(["train.max_steps=9"], use_cuda=False).train.max_steps == 9
     assert capsys.readouterr().out == ""
+
+
+@pytest.mark.parametrize("where, text, expected", [
+    # YAML 1.1 reads these as other numbers or booleans
+    ("file", "train:\n  max_steps: 010\n", "train.max_steps=010 in the config file is not a"),
+    ("file", "train:\n  max_steps: 1:30\n", "train.max_steps=1:30 in the config file is not a"),
+    ("file", "export: yes\n", "export=yes in the config file is not a bool"),
+    ("file", "log:\n  sample_prompt: no\n", {"log.sample_prompt": "no"}),
+    ("file", "train:\n  compile: false\n", {"train.compile": "false"}),
+    ("file", "optim:\n  lr: 1e-3\n  eps: 1.0e-6\n", {"optim.lr": 1e-3, "optim.eps": 1e-6}),
+    ("args", "train.max_steps=010", "train.max_steps=010 is not a"),
+    ("args", "train.max_steps=0x10", "train.max_steps=0x10 is not a"),
+    ("args", "export=off", "export=off is not a bool"),
+    # nothing, null, a section as a value, an empty section
+    ("file", "model:\n  pretrained:\n", "model.pretrained has no value in the config file"),
+    ("args", "optim.lr=", "optim.lr has no value"),
+    ("file", "optim: 3\n", "'optim' in the config file is a section, not a value"),
+    ("args", "optim=3", "'optim' is a section, not a value -> give its keys, like optim.lr="),
+    ("file", "optim:\n  # lr: 1.0e-3\n", {"optim.lr": 6e-4}),
+    ("file", "cpu_preset: 3\n", "cpu_preset: in"),
+    # ~ is the home directory in a path, as in a shell
+    ("args", "checkpoint.dir=~/ckpt", {"checkpoint.dir": str(Path.home() / "ckpt")}),
+    ("file", "out_dir: ~/out\n", {"out_dir": str(Path.home() / "out")}),
+    # of a key given twice on the command line the last wins, as argparse does
+    ("args", "train.max_steps=5 train.max_steps=50", {"train.max_steps": 50}),
+])
+def test_config_values_mean_what_they_say_or_are_an_error(tmp_path, where, text, expected):
+    args = text.split()
+    if where == "file":
+        (tmp_path / "c.yaml").write_text(text)
+        args = [str(tmp_path / "c.yaml")]
+    if isinstance(expected, str):
+        with pytest.raises(train_ddp.UserError, match=re.escape(expected)):
+            train_ddp.load_config(args, use_cuda=True)
+    else:
+        values = train_ddp.config_dict(train_ddp.load_config(args, use_cuda=True))
+        assert {key: values[key] for key in expected} == expected
 
 
 # ---- train_ddp.py: distributed init --------------------------------------------------------------

@@ -794,15 +794,27 @@ def in_range(value, low, high):
 
 
 class ConfigLoader(yaml.SafeLoader):
-    """YAML that reads 3e-4 as a float: PyYAML follows YAML 1.1, whose floats need a dot and a
-    signed exponent (1.0e-4), so 3e-4 or 1.0e5 would silently become strings."""
+    """YAML that reads what a config means: 3e-4 is a float (PyYAML's YAML 1.1 needs 1.0e-4); 010,
+    0x10 and 1:30 are not numbers (YAML 1.1 reads 8, 16, 90); only true and false are booleans
+    (not yes, no, on, off)."""
 
 
-ConfigLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"
-               r"|^[-+]?(?:[0-9][0-9_]*)?\.[0-9_]+(?:[eE][-+]?[0-9]+)?$"),
-    list("-+0123456789."))
+ConfigLoader.yaml_implicit_resolvers = {
+    first: [(tag, pattern) for tag, pattern in resolvers
+            if tag.rpartition(":")[2] not in ("bool", "int", "float")]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+for kind, pattern, first_chars in [
+        ("bool", r"^(?:true|True|TRUE|false|False|FALSE)$", "tTfF"),
+        ("int", r"^[-+]?(?:0|[1-9][0-9_]*)$", "-+0123456789"),
+        ("float", r"^[-+]?(?:[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?|\.[0-9][0-9_]*"
+                  r"(?:[eE][-+]?[0-9]+)?|[0-9][0-9_]*[eE][-+]?[0-9]+|\.(?:inf|Inf|INF))$"
+                  r"|^\.(?:nan|NaN|NAN)$", "-+0123456789.")]:
+    ConfigLoader.add_implicit_resolver(f"tag:yaml.org,2002:{kind}", re.compile(pattern),
+                                       first_chars)
+# the trainer's paths: ~ means the home directory there too, not a folder named ~
+PATH_KEYS = ["out_dir", "model.pretrained", "data.dir", "checkpoint.dir", "checkpoint.resume"]
+# preprocess.py's settings: the trainer reads the data as it was written
+PREPROCESS_KEYS = {"data.vocab_size": "--vocab-size", "data.val_fraction": "--val-fraction"}
 
 
 def load_config(args, use_cuda):
@@ -820,11 +832,12 @@ def load_config(args, use_cuda):
             die(f"config file {config_path} not found -> give the path of a config.yaml")
     if config_path.is_file():
         tree = read_yaml(config_path)
-        preset = tree.pop("cpu_preset", preset) or {}
-        image_presets = [tree.pop(name, built_in) or {} for name, built_in in  # images
+        preset = preset_section(tree, "cpu_preset", preset, config_path)
+        image_presets = [preset_section(tree, *named, config_path) for named in  # images
                          zip(["cpu_preset_images", "gpu_preset_digits"], image_presets)]  # images
         for key, value in flatten(tree).items():
-            flat[key] = typed(flat, key, value, " in the config file")
+            if not (value is None and isinstance(DEFAULTS.get(key), dict)):  # an empty section
+                flat[key] = typed(flat, key, value, " in the config file")
     given = {}
     for arg in args:
         key, sep, text = arg.partition("=")
@@ -843,6 +856,9 @@ def load_config(args, use_cuda):
         log0(f"preset {preset_name}: {', '.join(f'{k}={v}' for k, v in applied.items())} (keys "
              "left at their defaults; give one to override it)")
     for key, text in given.items():
+        if key in PREPROCESS_KEYS:
+            log0(f"note: {key} is preprocess.py's ({PREPROCESS_KEYS[key]}): the trainer reads "
+                 "data.dir as it was written")
         if key in flat and not isinstance(flat[key], str):
             with contextlib.suppress(yaml.YAMLError):
                 text = yaml.load(text, Loader=ConfigLoader)
@@ -872,20 +888,39 @@ def read_yaml(path):
     return tree
 
 
+def preset_section(tree, name, built_in, path):
+    """A preset section of the config file (`section.key: value` lines; empty: no preset)."""
+    section = tree.pop(name, built_in)
+    if not isinstance(section, (dict, type(None))):
+        die(f"{name}: in {path} is not a section -> indent its `section.key: value` lines below it")
+    return section or {}
+
+
 def typed(flat, key, value, where):
     """`value` with the type of key's default: a typo like lr=3e-4x fails now, not at step 1000."""
     if key not in flat:
+        keys = [known for known in flat if known.startswith(f"{key}.")]
+        if keys:
+            die(f"'{key}'{where} is a section, not a value -> give its keys, like {keys[0]}="
+                f"{flat[keys[0]]}")
         nearest = difflib.get_close_matches(key, flat, n=1, cutoff=0.0)[0]
         die(f"unknown config key '{key}'{where} -> did you mean '{nearest}'?")
     default = flat[key]
+    if value is None:
+        die(f"{key} has no value{where} (YAML reads nothing and ~ as null) -> give one, like "
+            f"{key}={json.dumps(default) if isinstance(default, str) else default}")
     if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
+    if isinstance(default, str) and isinstance(value, bool) and key in CHOICES:
+        value = str(value).lower()  # `compile: true` in the file means the choice "true"
     if type(value) is not type(default):
         kind = "number" if where and type(default) in (int, float) else type(default).__name__
-        die(f"{key}={value}{where} is not a {kind} -> give a value like {key}={default}")
+        fix = f"put it in quotes: \"{value}\"" if isinstance(default, str) else \
+            f"give a value like {key}={default}"
+        die(f"{key}={value}{where} is not a {kind} -> {fix}")
     if key in CHOICES and value not in CHOICES[key]:
         die(f"{key}={value} is not one of {'|'.join(CHOICES[key])} -> pick one of those")
-    return value
+    return os.path.expanduser(value) if key in PATH_KEYS else value
 
 
 def flatten(tree, prefix=""):
@@ -1344,14 +1379,14 @@ GPU_PRESET_DIGITS = {"model.n_layer": 2, "model.n_head": 4, "model.n_embd": 128,
 
 def vit_preset(given, flat, name, preset, image_presets, use_cuda):
     """The preset where model.type=vit (from the arguments or the file), and its name: without a
-    GPU the CPU preset and its images part; with one and the digits (data.dir at its default), the
-    GPU's."""
+    GPU the CPU preset and its images part; with one and the digits (data.dir at its default, or
+    data/digits), the GPU's."""
     if given.get("model.type", flat["model.type"]) != "vit":
         return name, preset
     cpu_images, gpu_digits = image_presets
     if not use_cuda:
         return "cpu_preset + cpu_preset_images", {**preset, **cpu_images}
-    if given.get("data.dir", flat["data.dir"]) == DEFAULTS["data"]["dir"]:
+    if given.get("data.dir", flat["data.dir"]) in (DEFAULTS["data"]["dir"], "data/digits"):
         return "gpu_preset_digits", dict(gpu_digits)
     return name, preset
 
