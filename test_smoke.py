@@ -1182,6 +1182,20 @@ def test_the_config_file_wins_over_the_presets_which_set_only_what_it_left_at_th
     assert capsys.readouterr().out == ""
 
 
+@pytest.mark.parametrize("text, line, key", [
+    ("optim:\n  warmup_steps: 5\ntrain:\n  max_steps: 9\noptim:\n  lr: 2.0e-3\n", 5, "optim"),
+    ("train:\n  max_steps: 9\n  seq_len: 64\n  max_steps: 10\n", 4, "max_steps"),
+    ("cpu_preset:\n  train.max_steps: 9\n  'train.max_steps': 10\n", 3, "train.max_steps"),
+])
+def test_a_key_given_twice_in_the_config_file_is_an_error_naming_it_and_both_lines(
+        tmp_path, text, line, key):
+    path = tmp_path / "twice.yaml"
+    path.write_text(text)
+    with pytest.raises(train_ddp.UserError, match=rf"at line {line}, column \d+ \('{key}' is given "
+                                                  r"twice, first at line \d+\) -> "):
+        train_ddp.load_config([str(path)], use_cuda=False)
+
+
 @pytest.mark.parametrize("where, text, expected", [
     # YAML 1.1 reads these as other numbers or booleans
     ("file", "train:\n  max_steps: 010\n", "train.max_steps=010 in the config file is not a"),

@@ -796,7 +796,18 @@ def in_range(value, low, high):
 class ConfigLoader(yaml.SafeLoader):
     """YAML that reads what a config means: 3e-4 is a float (PyYAML's YAML 1.1 needs 1.0e-4); 010,
     0x10 and 1:30 are not numbers (YAML 1.1 reads 8, 16, 90); only true and false are booleans
-    (not yes, no, on, off)."""
+    (not yes, no, on, off); a key given twice is an error, not a silent replacement."""
+
+    def construct_mapping(self, node, deep=False):
+        seen_at = {}
+        for key_node, _ in node.value:
+            if isinstance(key_node, yaml.ScalarNode) and key_node.value != "<<":  # << merges
+                if key_node.value in seen_at:
+                    raise yaml.constructor.ConstructorError(
+                        problem=f"'{key_node.value}' is given twice, first at line "
+                                f"{seen_at[key_node.value]}", problem_mark=key_node.start_mark)
+                seen_at[key_node.value] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep)
 
 
 ConfigLoader.yaml_implicit_resolvers = {
