@@ -3705,7 +3705,7 @@ def test_each_launch_check_fails_with_its_message(case, data_dir, tmp_path, busy
     }
     args, case_env, expected, fragment = cases[case]
     result = run(["bash", "launch.sh", *args], env_extra={**env, **case_env}, timeout=60)
-    assert result.returncode != 0
+    assert result.returncode == 2  # a mistake to fix
     failures = [line for line in result.stdout.splitlines() if "FAIL:" in line]
     assert len(failures) == 1, result.stdout + result.stderr
     assert failures[0].split("FAIL:")[0].strip() == expected, failures[0]
@@ -3763,7 +3763,7 @@ def test_a_failed_run_names_the_rank_and_its_error_line_or_its_last_stderr_lines
                                                                                  says_why):
     result = launch_script(tmp_path, RANK_1_FAILS, "says-why" if says_why else "silent",
                            env_extra={"MAX_RESTARTS": "0" if says_why else "1"})
-    assert result.returncode != 0
+    assert result.returncode == 1  # torchrun's code for a failed worker: a restart may help
     failure = [line for line in result.stderr.splitlines() if line.startswith("FAIL:")]
     assert len(failure) == 1, result.stderr
     assert "worker.py failed" in failure[0] and str(tmp_path / "logs") in failure[0]
@@ -3776,6 +3776,23 @@ def test_a_failed_run_names_the_rank_and_its_error_line_or_its_last_stderr_lines
         # the last attempt: MAX_RESTARTS=1 restarted it once
         assert "attempt_1/1/stderr.log" in failure[0]
         assert result.stderr.split(failure[0])[1].splitlines()[1] == "    reading shard 7"
+
+
+def test_a_mistake_the_trainer_finds_after_the_launch_checks_exits_2_through_launch(tmp_path):
+    """meta.json exists, so launch.sh's checks pass; the trainer refuses it after the process group
+    is up. torchrun exits 1 for any failed worker; launch.sh passes the trainer's 2 on."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "meta.json").write_text("{}")
+    result = run(["bash", "launch.sh", f"data.dir={tmp_path}/data", f"out_dir={tmp_path}",
+                  f"checkpoint.dir={tmp_path}/ckpt"],
+                 env_extra={"LAUNCH_DEVICE": "cpu", "NNODES": "1", "NODE_RANK": "0",
+                            "NPROC_PER_NODE": "2", "MAX_RESTARTS": "0",
+                            "MASTER_PORT": str(free_port()), "LOG_DIR": str(tmp_path / "logs")},
+                 timeout=180)
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    failure = [line for line in result.stderr.splitlines() if line.startswith("FAIL:")]
+    assert len(failure) == 1 and "(exit code 2)" in failure[0] \
+        and "has format version None" in failure[0], result.stderr[-2000:]
 
 
 def test_sigterm_to_launch_stops_torchrun_and_every_worker_and_exits_non_zero(tmp_path):
