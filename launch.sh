@@ -256,13 +256,13 @@ check_config() {  # the trainer validates its own config (types, unknown keys, b
 
 check_data() {
   [ -f "$DATA_DIR/meta.json" ] && { report "data" "ok ($DATA_DIR)"; return; }
-  local override source="--input YOUR_TEXT" kind=()
-  if [ "${DATA_KIND:-text}" = images ]; then source="--images YOUR_IMAGE_FOLDER" kind=(--images); fi
-  for override in "${ARGS[@]}"; do
-    case "$override" in data.dir=*|*.yaml|*.yml)
-      fail "data" "no prepared data in $DATA_DIR -> run: $PYTHON $HERE/preprocess.py $source --out $DATA_DIR" ;;
-    esac
-  done
+  local source="--input YOUR_TEXT" kind=() default=data/stdlib
+  if [ "${DATA_KIND:-text}" = images ]; then
+    source="--images YOUR_IMAGE_FOLDER" kind=(--images) default=data/digits
+  fi
+  # the default data only: a data.dir of the user's would get the default corpus or the digits
+  [ "$DATA_DIR" = "$default" ] ||
+    fail "data" "no prepared data in $DATA_DIR -> run: $PYTHON $HERE/preprocess.py $source --out $DATA_DIR"
   report "data" "preparing the default ${DATA_KIND:-text} data into $DATA_DIR (once)"
   "$PYTHON" "$HERE/preprocess.py" "${kind[@]}" --out "$DATA_DIR" ||
     fail "data" "preprocess.py failed (its error is above) -> fix it, or prepare data yourself and pass data.dir="

@@ -32,6 +32,7 @@ The sections, in this order, each opened by a line `# ---- name ----`:
 
 import hashlib
 import contextlib
+import gc
 import importlib.util
 import io
 import json
@@ -1312,6 +1313,24 @@ def test_a_malformed_meta_json_is_a_one_line_error(meta_text, fragment, tmp_path
         train_ddp.read_meta(tmp_path)
 
 
+def test_a_val_split_without_samples_names_the_rebuild_that_gives_it_some(corpus_dir, tmp_path):
+    data = tmp_path / "data"
+    assert run_preprocess("--input", corpus_dir, "--out", data, "--val-fraction", "0").returncode \
+        == 0
+    args = [f"data.dir={data}", *TINY_MODEL, "train.max_steps=1", "checkpoint.every=0",
+            "export=false", f"out_dir={tmp_path}/out"]
+    error, printed = train_in_process(*args, "data.val_fraction=0.5")  # preprocess.py's setting
+    assert "note: data.val_fraction is preprocess.py's (--val-fraction)" in printed
+    assert error.startswith(f"the val split of {data} has no causal samples"), error
+    command = re.search(r"-> .*: python preprocess\.py (.*)$", error)
+    assert command, error
+    options = {"YOUR_TEXT": str(corpus_dir), "F": "0.1"}
+    assert run_preprocess(*(options.get(word, word) for word in command[1].split())).returncode \
+        == 0
+    error, _ = train_in_process(*args)
+    assert error is None, error
+
+
 def test_token_ids_beyond_the_vocabulary_are_found_when_the_data_is_opened(data_dir, tmp_path):
     copy = tmp_path / "data"
     shutil.copytree(data_dir, copy)
@@ -2102,6 +2121,7 @@ def test_resume_says_what_changed_applies_it_and_refuses_to_run_no_step(trained_
     error, _ = train_in_process(f"data.dir={data_dir}", *EIGHT_STEPS, f"out_dir={tmp_path}",
                                 f"checkpoint.dir={tmp_path}/ckpt")
     assert "is at step 8, train.max_steps is 8: nothing left to train" in error
+    assert "checkpoint.resume=never" not in error  # it refuses a directory holding checkpoints
     error, printed = train_in_process(f"data.dir={data_dir}", *EIGHT_STEPS, "optim.lr=5e-3",
                                       "train.max_steps=9", f"out_dir={tmp_path}",
                                       f"checkpoint.dir={tmp_path}/ckpt", "export=false")
@@ -2235,6 +2255,26 @@ def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step_with_a_checkpoint
                                       "export=false")
     assert error is None and f"resumed from {tmp_path}/ckpt/step_{step:06d}" in printed, \
         (error, printed)
+
+
+def test_a_stopped_run_names_the_command_that_resumes_it_even_after_checkpoint_resume_never(
+        data_dir, tmp_path, monkeypatch):
+    args = [f"data.dir={data_dir}", *EIGHT_STEPS, "checkpoint.resume=never", f"out_dir={tmp_path}",
+            f"checkpoint.dir={tmp_path}/ckpt", "export=false"]
+    with monkeypatch.context() as patch:  # a SIGTERM during step 3
+        patch.setattr(train_ddp, "fault_point",
+                      lambda step: step == 3 and os.kill(os.getpid(), signal.SIGTERM))
+        with pytest.raises(train_ddp.Stopped) as stopped:
+            train_in_process(*args)
+    message = str(stopped.value)
+    del stopped  # its traceback holds the run's lock on checkpoint.dir
+    gc.collect()
+    assert f"checkpoint {tmp_path}/ckpt/step_000003 is written" in message
+    # the same command would refuse the checkpoint it wrote (resume=never)
+    added = re.search(r"-> run the same command with (\S+) added", message)
+    assert added, message
+    error, printed = train_in_process(*args, added.group(1))
+    assert error is None and f"resumed from {tmp_path}/ckpt/step_000003" in printed, error
 
 
 def processes_of(port):
@@ -2921,7 +2961,7 @@ def test_tiered_embedding_is_refused_where_it_cannot_work(data_dir, tmp_path):
     (old_data / "token_frequencies.npy").unlink()  # as an older preprocess.py left it
     error, _ = train_in_process(*args, f"data.dir={old_data}")
     assert "needs the token frequencies" in error \
-        and f"preprocess.py --out {old_data} --force" in error
+        and f"preprocess.py --input YOUR_TEXT --out {old_data} --force" in error
     error, _ = train_in_process(*args, "model.embedding_gpu_rows=384")
     assert "is not below the embedding's 384 rows" in error
     import train_fsdp
@@ -3161,6 +3201,18 @@ def test_the_exported_image_processor_gives_the_pixels_preprocess_wrote_for_any_
 def test_a_vit_on_text_data_is_refused_with_the_command_that_prepares_images(data_dir):
     error, _ = train_in_process(f"data.dir={data_dir}", "model.type=vit", "train.max_steps=1")
     assert error is not None and "holds text" in error and "preprocess.py --images" in error, error
+
+
+def test_a_vit_without_the_digits_names_the_command_that_prepares_them(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # data.dir at its default: data/digits, here
+    args = ["model.type=vit", "train.max_steps=1", "checkpoint.every=0", "export=false"]
+    error, _ = train_in_process(*args)
+    command = error.split("-> run: ")[1]
+    assert command.startswith("python preprocess.py --images "), error  # not text
+    result = run([sys.executable, str(REPO / "preprocess.py"), *command.split()[2:]], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    error, _ = train_in_process(*args)
+    assert error is None, error
 
 
 # ---- train_fsdp.py -------------------------------------------------------------------------------
@@ -3776,6 +3828,20 @@ def test_a_failed_run_names_the_rank_and_its_error_line_or_its_last_stderr_lines
         # the last attempt: MAX_RESTARTS=1 restarted it once
         assert "attempt_1/1/stderr.log" in failure[0]
         assert result.stderr.split(failure[0])[1].splitlines()[1] == "    reading shard 7"
+
+
+def test_launch_prepares_the_default_data_however_the_config_names_it_and_no_other(tmp_path):
+    """The digits are prepared for data.dir=data/digits as for data.dir left at its default; the
+    launch then stops at the next check (a checkpoint.dir below a file), before any process."""
+    (tmp_path / "a_file").write_text("")
+    env = {"LAUNCH_DEVICE": "cpu", "NNODES": "1", "NODE_RANK": "0", "MASTER_PORT": str(free_port()),
+           "LOG_DIR": str(tmp_path / "logs")}
+    result = run(["bash", str(REPO / "launch.sh"), "model.type=vit", "data.dir=data/digits",
+                  f"checkpoint.dir={tmp_path}/a_file/ckpt"], env_extra=env, cwd=tmp_path)
+    assert "preparing the default images data into data/digits" in result.stdout, result.stdout
+    assert (tmp_path / "data" / "digits" / "meta.json").is_file()
+    assert result.returncode == 2 and re.search(r"^checkpoint dir +FAIL: cannot create",
+                                                result.stdout, re.MULTILINE), result.stdout
 
 
 def test_a_mistake_the_trainer_finds_after_the_launch_checks_exits_2_through_launch(tmp_path):

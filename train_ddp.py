@@ -112,7 +112,7 @@ def main():
 
     # ----------------------------------------------------------------------------------- 3. data
     data_dir = Path(cfg.data.dir)
-    meta = read_meta(data_dir)
+    meta = read_meta(data_dir, cfg)
     task, reader = "causal", ArrowTokens
     if cfg.model.task == "mlm" or (cfg.model.task == "auto" and is_masked_lm_type(cfg)):  # MLM
         task = "mlm"  # MLM
@@ -187,10 +187,7 @@ def main():
                                          result.stop):
                 save_checkpoint(run, optimizer, scheduler, scaler)
         if result.stop:
-            saved = (f"checkpoint {step_dir(run.ckpt_dir, run.step)} is written" if
-                     cfg.checkpoint.every else "no checkpoint (checkpoint.every=0)")
-            raise Stopped(f"stopped at step {run.step} by a stop signal; {saved} -> run the same "
-                          "command again to resume from the newest checkpoint")
+            raise Stopped(stop_message(run))
 
     if cfg.export and not weights_are_finite(raw_model):
         die("the trained weights are not finite: not exported -> lower optim.lr")
@@ -557,7 +554,7 @@ def resume(resume_dir, run, optimizer, scheduler, scaler):
     if run.step >= run.cfg.train.max_steps:
         die(f"{resume_dir} is at step {run.step}, train.max_steps is {run.cfg.train.max_steps}: "
             "nothing left to train -> raise train.max_steps to go on, or start afresh in a new "
-            "checkpoint.dir (or checkpoint.resume=never)")
+            "checkpoint.dir")
     restore_rng(state["rng"], dist.get_rank(), run.cfg.train.seed, run.step)
     apply_settings(optimizer, scheduler, run.cfg, run.step)
     changed = changed_settings(state["config"], run.cfg)
@@ -1092,18 +1089,26 @@ def on_all_ranks(function, *args):
 
 # ----------------------------------------------------------------------------- 3. data (helpers)
 
-def read_meta(data_dir):
-    path, rebuild = data_dir / "meta.json", f"python preprocess.py --out {data_dir} --force"
+def prepare_command(data_dir):
+    """The command that prepares text into data_dir: the default corpus, or the user's text."""
+    source = "" if str(data_dir) == DEFAULTS["data"]["dir"] else " --input YOUR_TEXT"
+    return f"python preprocess.py{source} --out {data_dir}"
+
+
+def read_meta(data_dir, cfg=None):
+    """data_dir/meta.json, checked; cfg (the model) says which command would prepare the data."""
+    prepare = prepare_command(data_dir)
+    prepare = prepare_images_command(data_dir) if cfg and is_image_model(cfg) else prepare  # images
+    path, rebuild = data_dir / "meta.json", f"{prepare} --force"
     if not path.is_file():
-        die(f"no prepared data in {data_dir} (meta.json missing) -> run: python preprocess.py "
-            f"--out {data_dir}")
+        die(f"no prepared data in {data_dir} (meta.json missing) -> run: {prepare}")
     try:
         meta = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as error:
         die(f"{path} is unreadable ({error}) -> rebuild it: {rebuild}")
     if not isinstance(meta, dict) or meta.get("format_version") != 1:
         version = meta.get("format_version") if isinstance(meta, dict) else None
-        die(f"{path} has format version {version}, this trainer reads 1 -> rebuild with --force")
+        die(f"{path} has format version {version}, this trainer reads 1 -> rebuild it: {rebuild}")
     splits, special = meta.get("splits"), meta.get("special_tokens")
     if not (isinstance(splits, dict) and all(isinstance(splits.get(s), dict) and
                                              isinstance(splits[s].get("files"), list)
@@ -1131,7 +1136,7 @@ class ArrowTokens:
         self.special = meta["special_tokens"]
         self.summary = f"{meta['splits'][split].get('tokens', 0):,} {split} tokens"
         self.pieces, self.piece_starts, self.doc_offsets = [], [], []
-        rebuild, stream_length = f"-> rebuild: python preprocess.py --out {data_dir} --force", 0
+        rebuild, stream_length = f"-> rebuild: {prepare_command(data_dir)} --force", 0
         for name in meta["splits"][split]["files"]:
             try:
                 table = pa.ipc.open_file(pa.memory_map(str(data_dir / name))).read_all()
@@ -1152,10 +1157,11 @@ class ArrowTokens:
         self.num_samples = max(0, stream_length - 1) // seq_len
         if task == "mlm":  # MLM
             self.num_samples = int(self.doc_starts[-1])  # MLM
-        if self.num_samples == 0:
+        if self.num_samples == 0:  # the trainer's data.val_fraction would not change the data
+            more = (f"rebuild it with a larger --val-fraction F: {prepare_command(data_dir)} "
+                    "--val-fraction F --force") if split == "val" else "prepare more text"
             die(f"the {split} split of {data_dir} has no {task} samples of seq_len {seq_len} -> "
-                "prepare more text with preprocess.py, lower train.seq_len or raise "
-                "data.val_fraction")
+                f"lower train.seq_len, or {more}")
 
     def __len__(self):
         return self.num_samples
@@ -1411,6 +1417,12 @@ def vit_preset(given, flat, name, preset, image_presets, use_cuda):
     return name, preset
 
 
+def prepare_images_command(data_dir):
+    """The command that prepares images into data_dir: the digits, or the user's images."""
+    source = "" if str(data_dir) == "data/digits" else " YOUR_IMAGES"
+    return f"python preprocess.py --images{source} --out {data_dir}"
+
+
 def is_image_model(cfg):
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES
     model_type = load_pretrained_config(cfg.model.pretrained).model_type if cfg.model.pretrained \
@@ -1459,7 +1471,7 @@ def check_image_meta(meta, path):
     if not (isinstance(size, int) and size > 0 and isinstance(classes, list) and len(classes) > 1
             and meta.get("channels") == 3 and statistics):
         die(f"{path} lacks image_size, classes (two or more), channels=3, mean or std -> rebuild "
-            f"it: python preprocess.py --images SOURCE --out {path.parent} --force")
+            f"it: {prepare_images_command(path.parent)} --force")
     return meta
 
 
@@ -1473,7 +1485,7 @@ class ArrowImages:
         self.size, self.classes = meta["image_size"], list(meta["classes"])
         self.mean, self.std, self.on_device = meta["mean"], meta["std"], {}
         self.summary = f"{len(self.classes)} classes, {self.size}x{self.size} pixels"
-        rebuild = f"-> rebuild: python preprocess.py --images SOURCE --out {data_dir} --force"
+        rebuild = f"-> rebuild: {prepare_images_command(data_dir)} --force"
         row_bytes, pieces, labels = self.size * self.size * 3, [], []
         for name in meta["splits"][split]["files"]:
             try:
@@ -1497,8 +1509,10 @@ class ArrowImages:
                 f"{rebuild}")
         self.pieces, self.piece_starts = pieces, np.cumsum([0] + [len(p) for p in pieces])
         if len(self.labels) == 0:
-            die(f"the {split} split of {data_dir} has no images -> prepare more images, or "
-                f"{rebuild.removeprefix('-> ')} with a larger --val-fraction")
+            more = (f"rebuild it with a larger --val-fraction F: "
+                    f"{prepare_images_command(data_dir)} --val-fraction F --force") \
+                if split == "val" else "prepare more images"
+            die(f"the {split} split of {data_dir} has no images -> {more}")
 
     def __len__(self):
         return len(self.labels)
@@ -2081,6 +2095,18 @@ def validate(model, val_data, run):
                         "val_accuracy": val_accuracy})
 
 
+def stop_message(run):
+    """The line a stopped run ends with, and the command that goes on from there."""
+    if not run.cfg.checkpoint.every:
+        return (f"stopped at step {run.step} by a stop signal; no checkpoint (checkpoint.every=0) "
+                "-> the same command trains these steps again; set checkpoint.every to keep them")
+    # resume=never or an older step_* directory would refuse the checkpoint just written
+    added = "" if run.cfg.checkpoint.resume == "auto" else " with checkpoint.resume=auto added"
+    return (f"stopped at step {run.step} by a stop signal; checkpoint "
+            f"{step_dir(run.ckpt_dir, run.step)} is written -> run the same command{added} to "
+            "resume from the newest checkpoint")
+
+
 def catch_stop_signals():
     """SIGTERM (a scheduler's preemption; torchrun passes it on to every worker and kills them 30 s
     later by default) and SIGINT (Ctrl-C) ask for a clean stop: the list returned gets the signal's
@@ -2358,7 +2384,7 @@ def tier_embedding(raw_model, data_dir, meta, cfg, precision, device):
         return
     embedding, output, rows = raw_model.get_input_embeddings(), raw_model.get_output_embeddings(), \
         cfg.model.embedding_gpu_rows
-    rebuild = f"-> rebuild the data: python preprocess.py --out {data_dir} --force"
+    rebuild = f"-> rebuild the data: {prepare_command(data_dir)} --force"
     if output is not None and output.weight is embedding.weight:
         die("model.embedding_gpu_rows needs an output layer of its own, and this model ties it to "
             "the input embedding: the output layer multiplies every row at every step, so no row "
