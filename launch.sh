@@ -27,7 +27,8 @@
 # step, writes a checkpoint and exits 3, and so does this script, with the trainer's line. torchrun
 # does not restart workers after a signal it got; workers that got one alone end every restart at
 # once. A second Ctrl-C at a terminal kills torchrun and its workers at once, without a checkpoint.
-# Exit codes: 0 done, 3 stopped (a checkpoint written: run the same command to go on), else failed.
+# Exit codes: 0 done; 1 a rank failed or was lost (a restart may help); 2 a mistake to fix (a check
+# failed, or the first rank to fail exited 2); 3 stopped (a checkpoint written: run it again to go on).
 # (Not SIGINT when this script starts with SIGINT ignored, as background jobs of another script do:
 # bash cannot trap a signal ignored on entry. SIGTERM works there too.)
 # Slurm: `#SBATCH --signal=TERM@120` asks Slurm to send SIGTERM to the job's steps (this script,
@@ -61,9 +62,9 @@ IS_TRAINER=0
 case "$(basename "$SCRIPT")" in train_*.py) IS_TRAINER=1 ;; esac
 
 report() { printf '%-26s %s\n' "$1" "$2"; }
-fail() {  # fail CHECK "reason -> fix"
+fail() {  # fail CHECK "reason -> fix": a mistake to fix
   report "$1" "FAIL: $2"
-  exit 1
+  exit 2
 }
 # Digits without a leading zero: bash arithmetic reads "08" as a broken octal number and stops
 # the script.
@@ -255,13 +256,13 @@ check_config() {  # the trainer validates its own config (types, unknown keys, b
 
 check_data() {
   [ -f "$DATA_DIR/meta.json" ] && { report "data" "ok ($DATA_DIR)"; return; }
-  local override source="--input YOUR_TEXT" kind=()
-  if [ "${DATA_KIND:-text}" = images ]; then source="--images YOUR_IMAGE_FOLDER" kind=(--images); fi
-  for override in "${ARGS[@]}"; do
-    case "$override" in data.dir=*|*.yaml|*.yml)
-      fail "data" "no prepared data in $DATA_DIR -> run: $PYTHON $HERE/preprocess.py $source --out $DATA_DIR" ;;
-    esac
-  done
+  local source="--input YOUR_TEXT" kind=() default=data/stdlib
+  if [ "${DATA_KIND:-text}" = images ]; then
+    source="--images YOUR_IMAGE_FOLDER" kind=(--images) default=data/digits
+  fi
+  # the default data only: a data.dir of the user's would get the default corpus or the digits
+  [ "$DATA_DIR" = "$default" ] ||
+    fail "data" "no prepared data in $DATA_DIR -> run: $PYTHON $HERE/preprocess.py $source --out $DATA_DIR"
   report "data" "preparing the default ${DATA_KIND:-text} data into $DATA_DIR (once)"
   "$PYTHON" "$HERE/preprocess.py" "${kind[@]}" --out "$DATA_DIR" ||
     fail "data" "preprocess.py failed (its error is above) -> fix it, or prepare data yourself and pass data.dir="
@@ -432,6 +433,7 @@ report_failure() {
     "$RUN_LOG_DIR/torchrun.log" | sed -n 1p) || true
   exit_code=$(sed -n '/Root Cause/,$ s/^ *exitcode *: \([^ ]*\).*/\1/p' \
     "$RUN_LOG_DIR/torchrun.log" | sed -n 1p)
+  FIRST_EXIT_CODE=$exit_code
   if [ -z "${local_rank:-}" ] || [ -z "$attempt_dir" ]; then
     echo "FAIL: torchrun exited with status $status before any worker failed -> its messages above say why (also in $RUN_LOG_DIR/torchrun.log)" >&2
     return
@@ -469,6 +471,8 @@ if [ -n "$STOPPED_BY" ]; then
 fi
 if [ "$status" != 0 ]; then
   report_failure
+  # torchrun exits 1 whatever its workers' codes: a worker's 2, a mistake to fix, is passed on
+  if [ "${FIRST_EXIT_CODE:-}" = 2 ]; then exit 2; fi
 elif [ "${restarts:-0}" -gt 0 ]; then
   echo "done after $restarts restart(s) of the workers (MAX_RESTARTS=$MAX_RESTARTS); logs of every attempt: $RUN_LOG_DIR"
 fi

@@ -32,6 +32,7 @@ The sections, in this order, each opened by a line `# ---- name ----`:
 
 import hashlib
 import contextlib
+import gc
 import importlib.util
 import io
 import json
@@ -1083,6 +1084,8 @@ def test_a_vit_on_the_digits_takes_the_gpu_preset_and_on_other_images_the_defaul
         assert (digits.model.n_layer, digits.train.compile, digits.train.max_steps) == \
             (2, "false", 1000)
         assert digits.train.micro_batch_size == digits.train.global_batch_size == 32
+        named = trainer.load_config(["model.type=vit", "data.dir=data/digits"], use_cuda=True)
+        assert (named.model.n_layer, named.train.compile) == (2, "false")
         own = trainer.load_config(["model.type=vit", "data.dir=data/pets"], use_cuda=True)
         assert (own.model.n_layer, own.train.compile, own.train.max_steps) == (12, "auto", 300)
         cpu = trainer.load_config(["model.type=vit", "data.dir=data/pets"], use_cuda=False)
@@ -1154,6 +1157,81 @@ def test_global_batch_that_does_not_divide_is_refused():
         and "train.global_batch_size=32" in error
     # 15 sequences per rank: 3 divides them
     assert "train.micro_batch_size=3 (the same global batch)" in error
+
+
+def test_the_config_file_wins_over_the_presets_which_set_only_what_it_left_at_the_defaults(
+        tmp_path, monkeypatch, capsys):
+    """The shipped config.yaml holds the defaults, so the CPU preset applies through it; a value the
+    user changed in a config file (given first, or the one beside the trainer) stays, arguments win
+    over both, and rank 0 logs what the preset set."""
+    edited = (REPO / "config.yaml").read_text().replace("max_steps: 300", "max_steps: 7") \
+        .replace("n_layer: 12", "n_layer: 3")
+    (tmp_path / "mine.yaml").write_text(edited)
+    (tmp_path / "config.yaml").write_text(edited)
+    cfg = train_ddp.load_config([str(tmp_path / "mine.yaml")], use_cuda=False)
+    assert (cfg.train.max_steps, cfg.model.n_layer, cfg.model.n_embd) == (7, 3, 128)
+    logged = capsys.readouterr().out
+    assert logged.startswith("preset cpu_preset: model.n_head=4, model.n_embd=128,") \
+        and "train.max_steps" not in logged and "model.n_layer" not in logged, logged
+    monkeypatch.setattr(train_ddp, "__file__", str(tmp_path / "train_ddp.py"))  # beside it
+    vit = train_ddp.load_config(["model.type=vit", "train.eval_every=9"], use_cuda=False)
+    assert (vit.train.max_steps, vit.model.n_layer, vit.train.eval_every,
+            vit.train.crop_padding) == (7, 3, 9, 0)
+    assert "preset cpu_preset + cpu_preset_images: " in capsys.readouterr().out
+    monkeypatch.setenv("RANK", "1")  # load_config runs before the process group: rank 0 says it
+    assert train_ddp.load_config(["train.max_steps=9"], use_cuda=False).train.max_steps == 9
+    assert capsys.readouterr().out == ""
+
+
+@pytest.mark.parametrize("text, line, key", [
+    ("optim:\n  warmup_steps: 5\ntrain:\n  max_steps: 9\noptim:\n  lr: 2.0e-3\n", 5, "optim"),
+    ("train:\n  max_steps: 9\n  seq_len: 64\n  max_steps: 10\n", 4, "max_steps"),
+    ("cpu_preset:\n  train.max_steps: 9\n  'train.max_steps': 10\n", 3, "train.max_steps"),
+])
+def test_a_key_given_twice_in_the_config_file_is_an_error_naming_it_and_both_lines(
+        tmp_path, text, line, key):
+    path = tmp_path / "twice.yaml"
+    path.write_text(text)
+    with pytest.raises(train_ddp.UserError, match=rf"at line {line}, column \d+ \('{key}' is given "
+                                                  r"twice, first at line \d+\) -> "):
+        train_ddp.load_config([str(path)], use_cuda=False)
+
+
+@pytest.mark.parametrize("where, text, expected", [
+    # YAML 1.1 reads these as other numbers or booleans
+    ("file", "train:\n  max_steps: 010\n", "train.max_steps=010 in the config file is not a"),
+    ("file", "train:\n  max_steps: 1:30\n", "train.max_steps=1:30 in the config file is not a"),
+    ("file", "export: yes\n", "export=yes in the config file is not a bool"),
+    ("file", "log:\n  sample_prompt: no\n", {"log.sample_prompt": "no"}),
+    ("file", "train:\n  compile: false\n", {"train.compile": "false"}),
+    ("file", "optim:\n  lr: 1e-3\n  eps: 1.0e-6\n", {"optim.lr": 1e-3, "optim.eps": 1e-6}),
+    ("args", "train.max_steps=010", "train.max_steps=010 is not a"),
+    ("args", "train.max_steps=0x10", "train.max_steps=0x10 is not a"),
+    ("args", "export=off", "export=off is not a bool"),
+    # nothing, null, a section as a value, an empty section
+    ("file", "model:\n  pretrained:\n", "model.pretrained has no value in the config file"),
+    ("args", "optim.lr=", "optim.lr has no value"),
+    ("file", "optim: 3\n", "'optim' in the config file is a section, not a value"),
+    ("args", "optim=3", "'optim' is a section, not a value -> give its keys, like optim.lr="),
+    ("file", "optim:\n  # lr: 1.0e-3\n", {"optim.lr": 6e-4}),
+    ("file", "cpu_preset: 3\n", "cpu_preset: in"),
+    # ~ is the home directory in a path, as in a shell
+    ("args", "checkpoint.dir=~/ckpt", {"checkpoint.dir": str(Path.home() / "ckpt")}),
+    ("file", "out_dir: ~/out\n", {"out_dir": str(Path.home() / "out")}),
+    # of a key given twice on the command line the last wins, as argparse does
+    ("args", "train.max_steps=5 train.max_steps=50", {"train.max_steps": 50}),
+])
+def test_config_values_mean_what_they_say_or_are_an_error(tmp_path, where, text, expected):
+    args = text.split()
+    if where == "file":
+        (tmp_path / "c.yaml").write_text(text)
+        args = [str(tmp_path / "c.yaml")]
+    if isinstance(expected, str):
+        with pytest.raises(train_ddp.UserError, match=re.escape(expected)):
+            train_ddp.load_config(args, use_cuda=True)
+    else:
+        values = train_ddp.config_dict(train_ddp.load_config(args, use_cuda=True))
+        assert {key: values[key] for key in expected} == expected
 
 
 # ---- train_ddp.py: distributed init --------------------------------------------------------------
@@ -1233,6 +1311,24 @@ def test_a_malformed_meta_json_is_a_one_line_error(meta_text, fragment, tmp_path
     (tmp_path / "meta.json").write_text(meta_text)
     with pytest.raises(train_ddp.UserError, match=re.escape(fragment)):
         train_ddp.read_meta(tmp_path)
+
+
+def test_a_val_split_without_samples_names_the_rebuild_that_gives_it_some(corpus_dir, tmp_path):
+    data = tmp_path / "data"
+    assert run_preprocess("--input", corpus_dir, "--out", data, "--val-fraction", "0").returncode \
+        == 0
+    args = [f"data.dir={data}", *TINY_MODEL, "train.max_steps=1", "checkpoint.every=0",
+            "export=false", f"out_dir={tmp_path}/out"]
+    error, printed = train_in_process(*args, "data.val_fraction=0.5")  # preprocess.py's setting
+    assert "note: data.val_fraction is preprocess.py's (--val-fraction)" in printed
+    assert error.startswith(f"the val split of {data} has no causal samples"), error
+    command = re.search(r"-> .*: python preprocess\.py (.*)$", error)
+    assert command, error
+    options = {"YOUR_TEXT": str(corpus_dir), "F": "0.1"}
+    assert run_preprocess(*(options.get(word, word) for word in command[1].split())).returncode \
+        == 0
+    error, _ = train_in_process(*args)
+    assert error is None, error
 
 
 def test_token_ids_beyond_the_vocabulary_are_found_when_the_data_is_opened(data_dir, tmp_path):
@@ -2025,6 +2121,7 @@ def test_resume_says_what_changed_applies_it_and_refuses_to_run_no_step(trained_
     error, _ = train_in_process(f"data.dir={data_dir}", *EIGHT_STEPS, f"out_dir={tmp_path}",
                                 f"checkpoint.dir={tmp_path}/ckpt")
     assert "is at step 8, train.max_steps is 8: nothing left to train" in error
+    assert "checkpoint.resume=never" not in error  # it refuses a directory holding checkpoints
     error, printed = train_in_process(f"data.dir={data_dir}", *EIGHT_STEPS, "optim.lr=5e-3",
                                       "train.max_steps=9", f"out_dir={tmp_path}",
                                       f"checkpoint.dir={tmp_path}/ckpt", "export=false")
@@ -2158,6 +2255,26 @@ def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step_with_a_checkpoint
                                       "export=false")
     assert error is None and f"resumed from {tmp_path}/ckpt/step_{step:06d}" in printed, \
         (error, printed)
+
+
+def test_a_stopped_run_names_the_command_that_resumes_it_even_after_checkpoint_resume_never(
+        data_dir, tmp_path, monkeypatch):
+    args = [f"data.dir={data_dir}", *EIGHT_STEPS, "checkpoint.resume=never", f"out_dir={tmp_path}",
+            f"checkpoint.dir={tmp_path}/ckpt", "export=false"]
+    with monkeypatch.context() as patch:  # a SIGTERM during step 3
+        patch.setattr(train_ddp, "fault_point",
+                      lambda step: step == 3 and os.kill(os.getpid(), signal.SIGTERM))
+        with pytest.raises(train_ddp.Stopped) as stopped:
+            train_in_process(*args)
+    message = str(stopped.value)
+    del stopped  # its traceback holds the run's lock on checkpoint.dir
+    gc.collect()
+    assert f"checkpoint {tmp_path}/ckpt/step_000003 is written" in message
+    # the same command would refuse the checkpoint it wrote (resume=never)
+    added = re.search(r"-> run the same command with (\S+) added", message)
+    assert added, message
+    error, printed = train_in_process(*args, added.group(1))
+    assert error is None and f"resumed from {tmp_path}/ckpt/step_000003" in printed, error
 
 
 def processes_of(port):
@@ -2844,7 +2961,7 @@ def test_tiered_embedding_is_refused_where_it_cannot_work(data_dir, tmp_path):
     (old_data / "token_frequencies.npy").unlink()  # as an older preprocess.py left it
     error, _ = train_in_process(*args, f"data.dir={old_data}")
     assert "needs the token frequencies" in error \
-        and f"preprocess.py --out {old_data} --force" in error
+        and f"preprocess.py --input YOUR_TEXT --out {old_data} --force" in error
     error, _ = train_in_process(*args, "model.embedding_gpu_rows=384")
     assert "is not below the embedding's 384 rows" in error
     import train_fsdp
@@ -3084,6 +3201,18 @@ def test_the_exported_image_processor_gives_the_pixels_preprocess_wrote_for_any_
 def test_a_vit_on_text_data_is_refused_with_the_command_that_prepares_images(data_dir):
     error, _ = train_in_process(f"data.dir={data_dir}", "model.type=vit", "train.max_steps=1")
     assert error is not None and "holds text" in error and "preprocess.py --images" in error, error
+
+
+def test_a_vit_without_the_digits_names_the_command_that_prepares_them(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # data.dir at its default: data/digits, here
+    args = ["model.type=vit", "train.max_steps=1", "checkpoint.every=0", "export=false"]
+    error, _ = train_in_process(*args)
+    command = error.split("-> run: ")[1]
+    assert command.startswith("python preprocess.py --images "), error  # not text
+    result = run([sys.executable, str(REPO / "preprocess.py"), *command.split()[2:]], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    error, _ = train_in_process(*args)
+    assert error is None, error
 
 
 # ---- train_fsdp.py -------------------------------------------------------------------------------
@@ -3628,7 +3757,7 @@ def test_each_launch_check_fails_with_its_message(case, data_dir, tmp_path, busy
     }
     args, case_env, expected, fragment = cases[case]
     result = run(["bash", "launch.sh", *args], env_extra={**env, **case_env}, timeout=60)
-    assert result.returncode != 0
+    assert result.returncode == 2  # a mistake to fix
     failures = [line for line in result.stdout.splitlines() if "FAIL:" in line]
     assert len(failures) == 1, result.stdout + result.stderr
     assert failures[0].split("FAIL:")[0].strip() == expected, failures[0]
@@ -3686,7 +3815,7 @@ def test_a_failed_run_names_the_rank_and_its_error_line_or_its_last_stderr_lines
                                                                                  says_why):
     result = launch_script(tmp_path, RANK_1_FAILS, "says-why" if says_why else "silent",
                            env_extra={"MAX_RESTARTS": "0" if says_why else "1"})
-    assert result.returncode != 0
+    assert result.returncode == 1  # torchrun's code for a failed worker: a restart may help
     failure = [line for line in result.stderr.splitlines() if line.startswith("FAIL:")]
     assert len(failure) == 1, result.stderr
     assert "worker.py failed" in failure[0] and str(tmp_path / "logs") in failure[0]
@@ -3699,6 +3828,37 @@ def test_a_failed_run_names_the_rank_and_its_error_line_or_its_last_stderr_lines
         # the last attempt: MAX_RESTARTS=1 restarted it once
         assert "attempt_1/1/stderr.log" in failure[0]
         assert result.stderr.split(failure[0])[1].splitlines()[1] == "    reading shard 7"
+
+
+def test_launch_prepares_the_default_data_however_the_config_names_it_and_no_other(tmp_path):
+    """The digits are prepared for data.dir=data/digits as for data.dir left at its default; the
+    launch then stops at the next check (a checkpoint.dir below a file), before any process."""
+    (tmp_path / "a_file").write_text("")
+    env = {"LAUNCH_DEVICE": "cpu", "NNODES": "1", "NODE_RANK": "0", "MASTER_PORT": str(free_port()),
+           "LOG_DIR": str(tmp_path / "logs")}
+    result = run(["bash", str(REPO / "launch.sh"), "model.type=vit", "data.dir=data/digits",
+                  f"checkpoint.dir={tmp_path}/a_file/ckpt"], env_extra=env, cwd=tmp_path)
+    assert "preparing the default images data into data/digits" in result.stdout, result.stdout
+    assert (tmp_path / "data" / "digits" / "meta.json").is_file()
+    assert result.returncode == 2 and re.search(r"^checkpoint dir +FAIL: cannot create",
+                                                result.stdout, re.MULTILINE), result.stdout
+
+
+def test_a_mistake_the_trainer_finds_after_the_launch_checks_exits_2_through_launch(tmp_path):
+    """meta.json exists, so launch.sh's checks pass; the trainer refuses it after the process group
+    is up. torchrun exits 1 for any failed worker; launch.sh passes the trainer's 2 on."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "meta.json").write_text("{}")
+    result = run(["bash", "launch.sh", f"data.dir={tmp_path}/data", f"out_dir={tmp_path}",
+                  f"checkpoint.dir={tmp_path}/ckpt"],
+                 env_extra={"LAUNCH_DEVICE": "cpu", "NNODES": "1", "NODE_RANK": "0",
+                            "NPROC_PER_NODE": "2", "MAX_RESTARTS": "0",
+                            "MASTER_PORT": str(free_port()), "LOG_DIR": str(tmp_path / "logs")},
+                 timeout=180)
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    failure = [line for line in result.stderr.splitlines() if line.startswith("FAIL:")]
+    assert len(failure) == 1 and "(exit code 2)" in failure[0] \
+        and "has format version None" in failure[0], result.stderr[-2000:]
 
 
 def test_sigterm_to_launch_stops_torchrun_and_every_worker_and_exits_non_zero(tmp_path):

@@ -72,7 +72,8 @@ DEFAULTS = {
     "dist": dict(backend="auto", timeout_s=600, reducer="torch", bucket_mb=25.0,
                  grad_compression="none"),
 }
-# Without a CUDA GPU these replace the defaults: the whole demo then ends in minutes on a laptop.
+# Without a CUDA GPU these replace the defaults the config file left as they are: the whole demo
+# then ends in minutes on a laptop.
 CPU_PRESET = {"model.n_layer": 2, "model.n_head": 4, "model.n_embd": 128, "train.seq_len": 128,
               "train.global_batch_size": 32, "train.micro_batch_size": 16, "train.max_steps": 200,
               "train.eval_every": 50, "train.eval_batches": 4, "optim.lr": 2e-3,
@@ -111,7 +112,7 @@ def main():
 
     # ----------------------------------------------------------------------------------- 3. data
     data_dir = Path(cfg.data.dir)
-    meta = read_meta(data_dir)
+    meta = read_meta(data_dir, cfg)
     task, reader = "causal", ArrowTokens
     if cfg.model.task == "mlm" or (cfg.model.task == "auto" and is_masked_lm_type(cfg)):  # MLM
         task = "mlm"  # MLM
@@ -186,10 +187,7 @@ def main():
                                          result.stop):
                 save_checkpoint(run, optimizer, scheduler, scaler)
         if result.stop:
-            saved = (f"checkpoint {step_dir(run.ckpt_dir, run.step)} is written" if
-                     cfg.checkpoint.every else "no checkpoint (checkpoint.every=0)")
-            raise Stopped(f"stopped at step {run.step} by a stop signal; {saved} -> run the same "
-                          "command again to resume from the newest checkpoint")
+            raise Stopped(stop_message(run))
 
     if cfg.export and not weights_are_finite(raw_model):
         die("the trained weights are not finite: not exported -> lower optim.lr")
@@ -556,7 +554,7 @@ def resume(resume_dir, run, optimizer, scheduler, scaler):
     if run.step >= run.cfg.train.max_steps:
         die(f"{resume_dir} is at step {run.step}, train.max_steps is {run.cfg.train.max_steps}: "
             "nothing left to train -> raise train.max_steps to go on, or start afresh in a new "
-            "checkpoint.dir (or checkpoint.resume=never)")
+            "checkpoint.dir")
     restore_rng(state["rng"], dist.get_rank(), run.cfg.train.seed, run.step)
     apply_settings(optimizer, scheduler, run.cfg, run.step)
     changed = changed_settings(state["config"], run.cfg)
@@ -800,21 +798,47 @@ def in_range(value, low, high):
 
 
 class ConfigLoader(yaml.SafeLoader):
-    """YAML that reads 3e-4 as a float: PyYAML follows YAML 1.1, whose floats need a dot and a
-    signed exponent (1.0e-4), so 3e-4 or 1.0e5 would silently become strings."""
+    """YAML that reads what a config means: 3e-4 is a float (PyYAML's YAML 1.1 needs 1.0e-4); 010,
+    0x10 and 1:30 are not numbers (YAML 1.1 reads 8, 16, 90); only true and false are booleans
+    (not yes, no, on, off); a key given twice is an error, not a silent replacement."""
+
+    def construct_mapping(self, node, deep=False):
+        seen_at = {}
+        for key_node, _ in node.value:
+            if isinstance(key_node, yaml.ScalarNode) and key_node.value != "<<":  # << merges
+                if key_node.value in seen_at:
+                    raise yaml.constructor.ConstructorError(
+                        problem=f"'{key_node.value}' is given twice, first at line "
+                                f"{seen_at[key_node.value]}", problem_mark=key_node.start_mark)
+                seen_at[key_node.value] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep)
 
 
-ConfigLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"
-               r"|^[-+]?(?:[0-9][0-9_]*)?\.[0-9_]+(?:[eE][-+]?[0-9]+)?$"),
-    list("-+0123456789."))
+ConfigLoader.yaml_implicit_resolvers = {
+    first: [(tag, pattern) for tag, pattern in resolvers
+            if tag.rpartition(":")[2] not in ("bool", "int", "float")]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+for kind, pattern, first_chars in [
+        ("bool", r"^(?:true|True|TRUE|false|False|FALSE)$", "tTfF"),
+        ("int", r"^[-+]?(?:0|[1-9][0-9_]*)$", "-+0123456789"),
+        ("float", r"^[-+]?(?:[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?|\.[0-9][0-9_]*"
+                  r"(?:[eE][-+]?[0-9]+)?|[0-9][0-9_]*[eE][-+]?[0-9]+|\.(?:inf|Inf|INF))$"
+                  r"|^\.(?:nan|NaN|NAN)$", "-+0123456789.")]:
+    ConfigLoader.add_implicit_resolver(f"tag:yaml.org,2002:{kind}", re.compile(pattern),
+                                       first_chars)
+# the trainer's paths: ~ means the home directory there too, not a folder named ~
+PATH_KEYS = ["out_dir", "model.pretrained", "data.dir", "checkpoint.dir", "checkpoint.resume"]
+# preprocess.py's settings: the trainer reads the data as it was written
+PREPROCESS_KEYS = {"data.vocab_size": "--vocab-size", "data.val_fraction": "--val-fraction"}
 
 
 def load_config(args, use_cuda):
-    """DEFAULTS, then config.yaml beside this file (or the .yaml given first), then without a GPU
-    the CPU preset, then key=value arguments; each value must have the type of its default."""
-    flat, preset = flatten(DEFAULTS), dict(CPU_PRESET)
+    """DEFAULTS, then config.yaml beside this file (or the .yaml given first), then key=value
+    arguments (of a key given twice, the last); each value must have the type of its default. A
+    preset (no GPU; or a ViT on the digits) sets only keys that the file and the arguments left at
+    their defaults, and says which."""
+    defaults = flatten(DEFAULTS)
+    flat, preset = dict(defaults), dict(CPU_PRESET)
     image_presets = [dict(CPU_PRESET_IMAGES), dict(GPU_PRESET_DIGITS)]  # images
     config_path = Path(__file__).with_name("config.yaml")
     if args and args[0].endswith((".yaml", ".yml")):
@@ -823,19 +847,33 @@ def load_config(args, use_cuda):
             die(f"config file {config_path} not found -> give the path of a config.yaml")
     if config_path.is_file():
         tree = read_yaml(config_path)
-        preset = tree.pop("cpu_preset", preset) or {}
-        image_presets = [tree.pop(name, built_in) or {} for name, built_in in  # images
+        preset = preset_section(tree, "cpu_preset", preset, config_path)
+        image_presets = [preset_section(tree, *named, config_path) for named in  # images
                          zip(["cpu_preset_images", "gpu_preset_digits"], image_presets)]  # images
         for key, value in flatten(tree).items():
-            flat[key] = typed(flat, key, value, " in the config file")
-    preset = preset if not use_cuda else {}
-    preset = vit_preset(args, flat, preset, image_presets, use_cuda)  # images
-    for key, value in preset.items():
-        flat[key] = typed(flat, key, value, " in a preset")
+            if not (value is None and isinstance(DEFAULTS.get(key), dict)):  # an empty section
+                flat[key] = typed(flat, key, value, " in the config file")
+    given = {}
     for arg in args:
         key, sep, text = arg.partition("=")
         if not sep:
             die(f"argument '{arg}' is not key=value -> write it like train.max_steps=100")
+        given[key] = text
+    preset_name, preset = ("cpu_preset", preset) if not use_cuda else ("", {})
+    preset_name, preset = vit_preset(given, flat, preset_name, preset, image_presets,  # images
+                                     use_cuda)  # images
+    applied = {}
+    for key, value in flatten(preset).items():
+        value = typed(flat, key, value, f" in {preset_name}")
+        if flat[key] == defaults[key] and key not in given:  # the file and arguments win
+            flat[key] = applied[key] = value
+    if applied:
+        log0(f"preset {preset_name}: {', '.join(f'{k}={v}' for k, v in applied.items())} (keys "
+             "left at their defaults; give one to override it)")
+    for key, text in given.items():
+        if key in PREPROCESS_KEYS:
+            log0(f"note: {key} is preprocess.py's ({PREPROCESS_KEYS[key]}): the trainer reads "
+                 "data.dir as it was written")
         if key in flat and not isinstance(flat[key], str):
             with contextlib.suppress(yaml.YAMLError):
                 text = yaml.load(text, Loader=ConfigLoader)
@@ -865,20 +903,39 @@ def read_yaml(path):
     return tree
 
 
+def preset_section(tree, name, built_in, path):
+    """A preset section of the config file (`section.key: value` lines; empty: no preset)."""
+    section = tree.pop(name, built_in)
+    if not isinstance(section, (dict, type(None))):
+        die(f"{name}: in {path} is not a section -> indent its `section.key: value` lines below it")
+    return section or {}
+
+
 def typed(flat, key, value, where):
     """`value` with the type of key's default: a typo like lr=3e-4x fails now, not at step 1000."""
     if key not in flat:
+        keys = [known for known in flat if known.startswith(f"{key}.")]
+        if keys:
+            die(f"'{key}'{where} is a section, not a value -> give its keys, like {keys[0]}="
+                f"{flat[keys[0]]}")
         nearest = difflib.get_close_matches(key, flat, n=1, cutoff=0.0)[0]
         die(f"unknown config key '{key}'{where} -> did you mean '{nearest}'?")
     default = flat[key]
+    if value is None:
+        die(f"{key} has no value{where} (YAML reads nothing and ~ as null) -> give one, like "
+            f"{key}={json.dumps(default) if isinstance(default, str) else default}")
     if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
+    if isinstance(default, str) and isinstance(value, bool) and key in CHOICES:
+        value = str(value).lower()  # `compile: true` in the file means the choice "true"
     if type(value) is not type(default):
         kind = "number" if where and type(default) in (int, float) else type(default).__name__
-        die(f"{key}={value}{where} is not a {kind} -> give a value like {key}={default}")
+        fix = f"put it in quotes: \"{value}\"" if isinstance(default, str) else \
+            f"give a value like {key}={default}"
+        die(f"{key}={value}{where} is not a {kind} -> {fix}")
     if key in CHOICES and value not in CHOICES[key]:
         die(f"{key}={value} is not one of {'|'.join(CHOICES[key])} -> pick one of those")
-    return value
+    return os.path.expanduser(value) if key in PATH_KEYS else value
 
 
 def flatten(tree, prefix=""):
@@ -1032,18 +1089,26 @@ def on_all_ranks(function, *args):
 
 # ----------------------------------------------------------------------------- 3. data (helpers)
 
-def read_meta(data_dir):
-    path, rebuild = data_dir / "meta.json", f"python preprocess.py --out {data_dir} --force"
+def prepare_command(data_dir):
+    """The command that prepares text into data_dir: the default corpus, or the user's text."""
+    source = "" if str(data_dir) == DEFAULTS["data"]["dir"] else " --input YOUR_TEXT"
+    return f"python preprocess.py{source} --out {data_dir}"
+
+
+def read_meta(data_dir, cfg=None):
+    """data_dir/meta.json, checked; cfg (the model) says which command would prepare the data."""
+    prepare = prepare_command(data_dir)
+    prepare = prepare_images_command(data_dir) if cfg and is_image_model(cfg) else prepare  # images
+    path, rebuild = data_dir / "meta.json", f"{prepare} --force"
     if not path.is_file():
-        die(f"no prepared data in {data_dir} (meta.json missing) -> run: python preprocess.py "
-            f"--out {data_dir}")
+        die(f"no prepared data in {data_dir} (meta.json missing) -> run: {prepare}")
     try:
         meta = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as error:
         die(f"{path} is unreadable ({error}) -> rebuild it: {rebuild}")
     if not isinstance(meta, dict) or meta.get("format_version") != 1:
         version = meta.get("format_version") if isinstance(meta, dict) else None
-        die(f"{path} has format version {version}, this trainer reads 1 -> rebuild with --force")
+        die(f"{path} has format version {version}, this trainer reads 1 -> rebuild it: {rebuild}")
     splits, special = meta.get("splits"), meta.get("special_tokens")
     if not (isinstance(splits, dict) and all(isinstance(splits.get(s), dict) and
                                              isinstance(splits[s].get("files"), list)
@@ -1071,7 +1136,7 @@ class ArrowTokens:
         self.special = meta["special_tokens"]
         self.summary = f"{meta['splits'][split].get('tokens', 0):,} {split} tokens"
         self.pieces, self.piece_starts, self.doc_offsets = [], [], []
-        rebuild, stream_length = f"-> rebuild: python preprocess.py --out {data_dir} --force", 0
+        rebuild, stream_length = f"-> rebuild: {prepare_command(data_dir)} --force", 0
         for name in meta["splits"][split]["files"]:
             try:
                 table = pa.ipc.open_file(pa.memory_map(str(data_dir / name))).read_all()
@@ -1092,10 +1157,11 @@ class ArrowTokens:
         self.num_samples = max(0, stream_length - 1) // seq_len
         if task == "mlm":  # MLM
             self.num_samples = int(self.doc_starts[-1])  # MLM
-        if self.num_samples == 0:
+        if self.num_samples == 0:  # the trainer's data.val_fraction would not change the data
+            more = (f"rebuild it with a larger --val-fraction F: {prepare_command(data_dir)} "
+                    "--val-fraction F --force") if split == "val" else "prepare more text"
             die(f"the {split} split of {data_dir} has no {task} samples of seq_len {seq_len} -> "
-                "prepare more text with preprocess.py, lower train.seq_len or raise "
-                "data.val_fraction")
+                f"lower train.seq_len, or {more}")
 
     def __len__(self):
         return self.num_samples
@@ -1337,17 +1403,24 @@ GPU_PRESET_DIGITS = {"model.n_layer": 2, "model.n_head": 4, "model.n_embd": 128,
                      "optim.warmup_steps": 50, "checkpoint.every": 500}
 
 
-def vit_preset(args, flat, preset, image_presets, use_cuda):
-    """The preset where model.type=vit (from the arguments or the file): without a GPU the CPU
-    preset and its images part; with one and the digits (data.dir at its default), the GPU's."""
-    given = dict(arg.partition("=")[::2] for arg in args)
+def vit_preset(given, flat, name, preset, image_presets, use_cuda):
+    """The preset where model.type=vit (from the arguments or the file), and its name: without a
+    GPU the CPU preset and its images part; with one and the digits (data.dir at its default, or
+    data/digits), the GPU's."""
     if given.get("model.type", flat["model.type"]) != "vit":
-        return preset
+        return name, preset
     cpu_images, gpu_digits = image_presets
     if not use_cuda:
-        return {**preset, **cpu_images}
-    return dict(gpu_digits) if given.get("data.dir", flat["data.dir"]) == DEFAULTS["data"]["dir"] \
-        else preset
+        return "cpu_preset + cpu_preset_images", {**preset, **cpu_images}
+    if given.get("data.dir", flat["data.dir"]) in (DEFAULTS["data"]["dir"], "data/digits"):
+        return "gpu_preset_digits", dict(gpu_digits)
+    return name, preset
+
+
+def prepare_images_command(data_dir):
+    """The command that prepares images into data_dir: the digits, or the user's images."""
+    source = "" if str(data_dir) == "data/digits" else " YOUR_IMAGES"
+    return f"python preprocess.py --images{source} --out {data_dir}"
 
 
 def is_image_model(cfg):
@@ -1398,7 +1471,7 @@ def check_image_meta(meta, path):
     if not (isinstance(size, int) and size > 0 and isinstance(classes, list) and len(classes) > 1
             and meta.get("channels") == 3 and statistics):
         die(f"{path} lacks image_size, classes (two or more), channels=3, mean or std -> rebuild "
-            f"it: python preprocess.py --images SOURCE --out {path.parent} --force")
+            f"it: {prepare_images_command(path.parent)} --force")
     return meta
 
 
@@ -1412,7 +1485,7 @@ class ArrowImages:
         self.size, self.classes = meta["image_size"], list(meta["classes"])
         self.mean, self.std, self.on_device = meta["mean"], meta["std"], {}
         self.summary = f"{len(self.classes)} classes, {self.size}x{self.size} pixels"
-        rebuild = f"-> rebuild: python preprocess.py --images SOURCE --out {data_dir} --force"
+        rebuild = f"-> rebuild: {prepare_images_command(data_dir)} --force"
         row_bytes, pieces, labels = self.size * self.size * 3, [], []
         for name in meta["splits"][split]["files"]:
             try:
@@ -1436,8 +1509,10 @@ class ArrowImages:
                 f"{rebuild}")
         self.pieces, self.piece_starts = pieces, np.cumsum([0] + [len(p) for p in pieces])
         if len(self.labels) == 0:
-            die(f"the {split} split of {data_dir} has no images -> prepare more images, or "
-                f"{rebuild.removeprefix('-> ')} with a larger --val-fraction")
+            more = (f"rebuild it with a larger --val-fraction F: "
+                    f"{prepare_images_command(data_dir)} --val-fraction F --force") \
+                if split == "val" else "prepare more images"
+            die(f"the {split} split of {data_dir} has no images -> {more}")
 
     def __len__(self):
         return len(self.labels)
@@ -2020,6 +2095,18 @@ def validate(model, val_data, run):
                         "val_accuracy": val_accuracy})
 
 
+def stop_message(run):
+    """The line a stopped run ends with, and the command that goes on from there."""
+    if not run.cfg.checkpoint.every:
+        return (f"stopped at step {run.step} by a stop signal; no checkpoint (checkpoint.every=0) "
+                "-> the same command trains these steps again; set checkpoint.every to keep them")
+    # resume=never or an older step_* directory would refuse the checkpoint just written
+    added = "" if run.cfg.checkpoint.resume == "auto" else " with checkpoint.resume=auto added"
+    return (f"stopped at step {run.step} by a stop signal; checkpoint "
+            f"{step_dir(run.ckpt_dir, run.step)} is written -> run the same command{added} to "
+            "resume from the newest checkpoint")
+
+
 def catch_stop_signals():
     """SIGTERM (a scheduler's preemption; torchrun passes it on to every worker and kills them 30 s
     later by default) and SIGINT (Ctrl-C) ask for a clean stop: the list returned gets the signal's
@@ -2297,7 +2384,7 @@ def tier_embedding(raw_model, data_dir, meta, cfg, precision, device):
         return
     embedding, output, rows = raw_model.get_input_embeddings(), raw_model.get_output_embeddings(), \
         cfg.model.embedding_gpu_rows
-    rebuild = f"-> rebuild the data: python preprocess.py --out {data_dir} --force"
+    rebuild = f"-> rebuild the data: {prepare_command(data_dir)} --force"
     if output is not None and output.weight is embedding.weight:
         die("model.embedding_gpu_rows needs an output layer of its own, and this model ties it to "
             "the input embedding: the output layer multiplies every row at every step, so no row "
