@@ -53,7 +53,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from PIL import Image
+from PIL import ExifTags, Image, ImageOps
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 REPO = Path(__file__).resolve().parent
@@ -655,8 +655,9 @@ SUFFIX_OF_MODE = {"RGB": ".jpg", "L": ".png", "P": ".gif", "RGBA": ".png"}
 
 def make_image_folder(root, trees=("train", "val"), per_class=(8, 3), broken=False):
     """Two classes of small images (16 to 40 px a side) in the four modes datasets hold most (RGBA
-    with random alpha), plus a .txt and, if broken, a corrupt .jpg in the first tree; returns the
-    good files' paths relative to root, sorted."""
+    with random alpha; JPEGs with each EXIF orientation in turn, as phones write them), plus a .txt
+    and, if broken, a corrupt .jpg in the first tree; returns the good files' paths relative to
+    root, sorted."""
     rng = np.random.default_rng(0)
     relpaths = []
     for tree, count in zip(trees, per_class):
@@ -669,6 +670,10 @@ def make_image_folder(root, trees=("train", "val"), per_class=(8, 3), broken=Fal
                 relpath = Path(tree, name, f"{i:03d}{SUFFIX_OF_MODE[mode]}").as_posix()
                 if mode == "P":
                     rgba.convert("RGB").quantize(64).save(root / relpath)
+                elif mode == "RGB":
+                    exif = Image.Exif()
+                    exif[ExifTags.Base.Orientation] = i // 4 % 8 + 1
+                    rgba.convert(mode).save(root / relpath, exif=exif)
                 else:
                     (rgba if mode == "RGBA" else rgba.convert(mode)).save(root / relpath)
                 relpaths.append(relpath)
@@ -679,11 +684,16 @@ def make_image_folder(root, trees=("train", "val"), per_class=(8, 3), broken=Fal
 
 
 def pillow_reference(path, size):
-    """What the trainer must get for one file, with Pillow alone: on white, the shorter side to size
-    (bicubic), the centre size x size."""
+    """What the trainer must get for one file, with Pillow alone: upright by its EXIF orientation,
+    16- and 32-bit grey scaled from its own range to 0..255, RGB with alpha dropped (as
+    transformers' load_image), the shorter side to size (bicubic), the centre size x size."""
     with Image.open(path) as image:
-        rgba = image.convert("RGBA")
-    rgb = Image.alpha_composite(Image.new("RGBA", rgba.size, "white"), rgba).convert("RGB")
+        upright = ImageOps.exif_transpose(image)
+    if upright.mode in ("I;16", "I", "F"):
+        values = np.asarray(upright, np.float64)
+        levels = np.round((values - values.min()) * 255 / (values.max() - values.min()))
+        upright = Image.fromarray(levels.astype(np.uint8))
+    rgb = upright.convert("RGB")
     width, height = rgb.size
     new = (size, size * height // width) if width <= height else (size * width // height, size)
     resized = rgb.resize(new, Image.Resampling.BICUBIC)
@@ -758,11 +768,37 @@ def test_images_from_a_folder_with_train_and_val_trees_match_pillows_resize_and_
         assert len(expected) == (80 if split == "train" else 20)
         assert_rows_are_the_files(out, split, folder, expected, 16)
     assert_mean_std_are_the_train_pixels(out)
-    # an RGBA file (random alpha) came out on white: brighter than its own colour values
+    # an RGBA file (random alpha) kept its colour values, not brightened by white under its alpha
     with Image.open(folder / "train/cat/003.png") as rgba:
         assert rgba.mode == "RGBA"
         colours = np.asarray(rgba)[..., :3]
-    assert read_images(out, "train")[0][3].mean() > colours.mean() + 40
+    assert abs(read_images(out, "train")[0][3].mean() - colours.mean()) < 10
+
+
+def test_images_of_16_and_32_bit_modes_are_scaled_by_their_own_range_and_a_note_says_so(tmp_path):
+    """Pillow's convert("RGB") clips 16- and 32-bit grey to near white or black: preprocess.py
+    scales each image from its own minimum..maximum to 0..255 and says in one note how to pass such
+    images to the exported pipeline."""
+    folder, out = tmp_path / "folder", tmp_path / "out"
+    rng = np.random.default_rng(0)
+    for name in IMAGE_CLASSES:
+        (folder / name).mkdir(parents=True)
+        Image.new("RGB", (20, 16), "grey").save(folder / name / "plain.jpg")
+    Image.fromarray(rng.integers(0, 4096, (16, 20), np.uint16)).save(folder / "cat/scan.png")
+    Image.fromarray(rng.integers(10**5, 10**6, (18, 16), np.int32)).save(folder / "dog/counts.tif")
+    Image.fromarray(rng.normal(-3, 1, (16, 16)).astype(np.float32)).save(folder / "dog/field.tif")
+    result = run_preprocess("--images", folder, "--out", out, "--image-size", 16,
+                            "--val-fraction", 0, "--workers", 2)
+    assert result.returncode == 0, result.stderr
+    notes = [line for line in result.stdout.splitlines() if "scaled" in line]
+    assert len(notes) == 1 and notes[0].startswith(
+        "note: scaled 3 images of 16- or 32-bit modes (1 F, 1 I, 1 I;16) to 8 bits, each from its "
+        "own minimum..maximum to 0..255;") and "preprocess.to_rgb(Image.open(path))" in notes[0]
+    relpaths = ["cat/plain.jpg", "cat/scan.png", "dog/counts.tif", "dog/field.tif",
+                "dog/plain.jpg"]
+    assert_rows_are_the_files(out, "train", folder, relpaths, 16)
+    pixels, _ = read_images(out, "train")
+    assert all(64 < pixels[row].mean() < 192 for row in (1, 2, 3))  # neither white nor black
 
 
 def test_images_in_one_folder_are_split_by_a_hash_of_each_path_that_adding_images_does_not_change(
