@@ -2986,8 +2986,15 @@ def test_vit_export_classifies_image_files_in_the_transformers_pipeline_as_the_t
     for index in ids:
         files.append(str(tmp_path / f"{index}.png"))
         Image.fromarray(val.pixels(np.array([index]))[0]).save(files[-1])
+    # the first again, as a GIF whose top-left colour is its transparent one, as GIFs mark it
+    rgb = val.pixels(ids[:1])[0]
+    colours, index_of = np.unique(rgb.reshape(-1, 3), axis=0, return_inverse=True)
+    palette = Image.frombytes("P", rgb.shape[1::-1], index_of.astype(np.uint8).tobytes())
+    palette.putpalette(colours.ravel().tolist())
+    files.append(str(tmp_path / "0_transparent_colour.gif"))
+    palette.save(files[-1], transparency=int(index_of[0]))
     classifier = pipeline("image-classification", model=str(copy / "out/final"), device="cpu")
-    for row, predictions in enumerate(classifier(files, top_k=10)):
+    for row, predictions in zip([*ids, 0], classifier(files, top_k=10)):
         scores = {p["label"]: p["score"] for p in predictions}
         assert set(scores) == set(meta["classes"])  # id2label from the class names
         assert [scores[name] for name in meta["classes"]] == pytest.approx(expected[row].tolist(),
@@ -3092,29 +3099,62 @@ def test_images_too_small_for_4_by_4_patches_are_one_line_error():
         train_ddp.vit_config(cfg, meta)
 
 
-def test_the_exported_image_processor_gives_the_pixels_preprocess_wrote_for_any_crop_margin(
+def write_an_image_in_every_mode(folder):
+    """One file per mode datasets hold, of random pixels: RGB, RGBA and LA with fully transparent
+    rows, L, palettes without transparency, with an alpha per entry and with one transparent
+    colour, CMYK, 16-bit (12-bit values), 32-bit and float grey, a JPEG with an EXIF orientation;
+    their sizes give crop margins of 3, 7 and 4 pixels at 16 px. Returns their paths."""
+    rng = np.random.default_rng(0)
+    colours = rng.integers(0, 256, (23, 20, 4), dtype=np.uint8)
+    colours[::2, :, 3] = 0  # transparent rows keep their colour values in the file
+    rgba = Image.fromarray(colours)
+    palette = rgba.convert("RGB").quantize(64)
+    grey = {"i16.png": rng.integers(0, 4096, (23, 20), np.uint16),  # as 12-bit scanners write
+            "i.tif": rng.integers(-70_000, 70_000, (23, 20), np.int32),
+            "f.tif": rng.normal(0.5, 2, (23, 20)).astype(np.float32)}
+    exif = Image.Exif()
+    exif[ExifTags.Base.Orientation] = 6  # as a phone held upright writes it
+    files = [("rgb.jpg", rgba.convert("RGB"), {}), ("rgba.png", rgba, {}),
+             ("la.png", rgba.convert("LA"), {}), ("l.png", rgba.convert("L"), {}),
+             ("p.gif", palette, {}),
+             ("p_alpha.png", palette, {"transparency": bytes(range(0, 256, 4))}),
+             ("p_colour_key.gif", palette, {"transparency": int(np.asarray(palette)[0, 0])}),
+             ("cmyk.jpg", rgba.convert("CMYK"), {}),
+             *((name, Image.fromarray(values), {}) for name, values in grey.items()),
+             ("exif.jpg", rgba.convert("RGB"), {"exif": exif})]
+    folder.mkdir(parents=True)
+    for index, (name, image, options) in enumerate(files):
+        width, height = [(19, 16), (16, 23), (20, 16)][index % 3]
+        image.crop((0, 0, width, height)).save(folder / name, **options)
+    return [folder / name for name, _, _ in files]
+
+
+def test_the_exported_pipeline_is_served_the_pixels_preprocess_wrote_in_every_mode_and_margin(
         tmp_path):
-    """The pipeline's processor (resize the shorter side, centre crop, normalise) on a file equals
-    preprocess.py's pixels, normalised: also where the crop margin is odd (3 pixels here)."""
+    """What pipeline() does to a path, load_image then the exported processor (resize the shorter
+    side, centre crop, normalise), equals preprocess.py's pixels normalised, for files of every
+    mode and odd crop margins; 16- and 32-bit grey as preprocess.py's note says to pass them."""
     from transformers import AutoConfig, AutoImageProcessor, AutoModelForImageClassification
-    meta = {"image_size": 32, "classes": ["a", "b"], "mean": [0.4, 0.5, 0.6],
+    from transformers.image_utils import load_image
+    meta = {"image_size": 16, "classes": ["a", "b"], "mean": [0.4, 0.5, 0.6],
             "std": [0.2, 0.25, 0.3]}
     config = AutoConfig.for_model("vit", hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                  intermediate_size=64, image_size=32, patch_size=8, num_labels=2)
+                                  intermediate_size=64, image_size=16, patch_size=8, num_labels=2)
     train_ddp.export_image_model(AutoModelForImageClassification.from_config(config), meta,
-                                 tmp_path)
-    processor = AutoImageProcessor.from_pretrained(tmp_path)
-    for width, height in [(35, 32), (32, 39), (36, 32)]:  # margins of 3, 7 and 4 pixels
-        path = tmp_path / f"{width}x{height}.png"
-        rng = np.random.default_rng(width * height)
-        Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(path)
-        pixels, *_ = preprocess.decode_image((str(path), 32))
-        ours = np.frombuffer(pixels, np.uint8).reshape(32, 32, 3).transpose(2, 0, 1) / 255
-        expected = (ours - np.array(meta["mean"])[:, None, None]) / np.array(meta["std"])[:, None,
-                                                                                         None]
+                                 tmp_path / "final")
+    processor = AutoImageProcessor.from_pretrained(tmp_path / "final")
+    mean, std = (np.array(meta[key])[:, None, None] for key in ("mean", "std"))
+    for path in write_an_image_in_every_mode(tmp_path / "images"):
+        pixels, *_ = preprocess.decode_image((str(path), 16))
+        ours = np.frombuffer(pixels, np.uint8).reshape(16, 16, 3).transpose(2, 0, 1) / 255
         with Image.open(path) as image:
-            served = processor(images=image, return_tensors="np")["pixel_values"][0]
-        assert np.abs(served - expected).max() < 1e-5, (width, height)
+            wide = image.mode in ("I;16", "I", "F")
+            served = load_image(preprocess.to_rgb(image) if wide else str(path))
+        if wide:  # Pillow's convert() clips them: the path would be served near-white or black
+            clipped = np.asarray(load_image(str(path)), float)
+            assert np.abs(clipped - np.asarray(served, float)).mean() > 50, path.name
+        pixel_values = processor(images=served, return_tensors="np")["pixel_values"][0]
+        assert np.abs(pixel_values - (ours - mean) / std).max() < 1e-5, path.name
 
 
 def test_a_vit_on_text_data_is_refused_with_the_command_that_prepares_images(data_dir):
