@@ -612,6 +612,8 @@ DIGITS_DEFAULTS = {"out": "data/digits", "image_size": 32, "val_fraction": 0.2, 
 # the pixels of one row must fit the 32-bit width of Arrow's fixed-size binary
 MAX_IMAGE_SIZE = 26_754
 SHARD_IMAGES, SHARD_BYTES = 4096, 256_000_000
+# the version of to_rgb's rules, in the fingerprint: output of older rules needs --force
+PIXEL_CONVERSION = 2
 # how a file or folder name says its split (HF: train-00000-of-00001.parquet, validation/...)
 SPLIT_WORDS = {"train": "train", "val": "val", "valid": "val", "validation": "val", "test": "test"}
 
@@ -671,7 +673,7 @@ def build_images(args):
             "more classes: a sub-folder, or a label, for each")
     if source["split_given"] and args.val_fraction is not None:
         print(f"note: the source gives the split ({source['split_given']}): --val-fraction unused")
-    options = {"kind": "images", "image_size": size,
+    options = {"kind": "images", "image_size": size, "conversion": PIXEL_CONVERSION,
                "val_fraction": None if source["split_given"] else val_fraction}
     blob = json.dumps({"format_version": FORMAT_VERSION, "identity": source["identity"],
                        **options}, sort_keys=True)

@@ -1074,6 +1074,16 @@ def test_images_rerun_is_noop_and_a_changed_image_needs_force(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["folder", "out"]
 
 
+def test_images_prepared_by_other_pixel_rules_need_force(tmp_path, monkeypatch):
+    make_image_folder(tmp_path / "folder", trees=("",), per_class=(6,))
+    args = ["--images", tmp_path / "folder", "--out", tmp_path / "out", "--image-size", 16,
+            "--workers", 1]
+    assert preprocess_in_process(*args).returncode == 0
+    monkeypatch.setattr(preprocess, "PIXEL_CONVERSION", 1, raising=False)  # as older rules wrote
+    again = preprocess_in_process(*args)
+    assert again.returncode == 2 and "built from other inputs or options" in again.stderr
+
+
 def test_killed_images_run_leaves_no_partial_output_and_the_next_run_removes_its_leftovers(
         tmp_path):
     out = tmp_path / "out"
