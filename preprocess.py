@@ -612,6 +612,8 @@ DIGITS_DEFAULTS = {"out": "data/digits", "image_size": 32, "val_fraction": 0.2, 
 # the pixels of one row must fit the 32-bit width of Arrow's fixed-size binary
 MAX_IMAGE_SIZE = 26_754
 SHARD_IMAGES, SHARD_BYTES = 4096, 256_000_000
+# the version of to_rgb's rules, in the fingerprint: output of older rules needs --force
+PIXEL_CONVERSION = 2
 # how a file or folder name says its split (HF: train-00000-of-00001.parquet, validation/...)
 SPLIT_WORDS = {"train": "train", "val": "val", "valid": "val", "validation": "val", "test": "test"}
 
@@ -671,7 +673,7 @@ def build_images(args):
             "more classes: a sub-folder, or a label, for each")
     if source["split_given"] and args.val_fraction is not None:
         print(f"note: the source gives the split ({source['split_given']}): --val-fraction unused")
-    options = {"kind": "images", "image_size": size,
+    options = {"kind": "images", "image_size": size, "conversion": PIXEL_CONVERSION,
                "val_fraction": None if source["split_given"] else val_fraction}
     blob = json.dumps({"format_version": FORMAT_VERSION, "identity": source["identity"],
                        **options}, sort_keys=True)
@@ -945,9 +947,9 @@ def digits_source():
 # ---- images: decode in a process pool, write shards ----------------------------------------------
 
 def decode_image(task):
-    """(pixels, channel sums, channel sums of squares, shorter side) of one image, as the trainer
-    reads them: RGB, the shorter side resized to size (bicubic), the centre size x size; or the
-    reason it does not decode."""
+    """(pixels, channel sums, channel sums of squares, shorter side, its mode if to_rgb scaled it)
+    of one image, as the trainer reads them: RGB, the shorter side resized to size (bicubic), the
+    centre size x size; or the reason it does not decode."""
     import io
     from PIL import Image
     data, size = task
@@ -960,6 +962,7 @@ def decode_image(task):
             image = Image.open(io.BytesIO(data) if isinstance(data, bytes) else data)
         with image:
             image.load()
+            scaled_mode = image.mode if image.mode in WIDE_MODES else None
             rgb = to_rgb(image)
     except Image.UnidentifiedImageError:
         return "not an image Pillow reads"
@@ -975,20 +978,31 @@ def decode_image(task):
     counts = np.stack([np.bincount(pixels[..., channel].ravel(), minlength=256)
                        for channel in range(3)])
     levels = np.arange(256, dtype=np.int64)
-    return pixels.tobytes(), counts @ levels, counts @ (levels * levels), min(width, height)
+    return (pixels.tobytes(), counts @ levels, counts @ (levels * levels), min(width, height),
+            scaled_mode)
+
+
+# 16- and 32-bit grey, integer or float: Pillow's convert("RGB") clips their values to 0..255
+WIDE_MODES = ("I", "I;16", "I;16B", "I;16L", "I;16N", "F")
 
 
 def to_rgb(image):
-    """Every mode as RGB: transparency composited on white, as a viewer shows it on a white page;
-    16-bit grey scaled to 8 bits (convert() would clip it); CMYK without its ICC profile."""
-    from PIL import Image
-    if image.mode.startswith("I;16"):
-        image = Image.fromarray((np.asarray(image).astype(np.uint32) >> 8).astype(np.uint8))
-    if image.has_transparency_data:
-        rgba = image.convert("RGBA")
-        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-        return Image.alpha_composite(white, rgba).convert("RGB")
-    return image.convert("RGB")
+    """An image as transformers' load_image hands it to the exported pipeline: turned upright by
+    its EXIF orientation, then Pillow's convert("RGB"), which drops alpha and ignores a CMYK ICC
+    profile. WIDE_MODES, which that would clip, are first scaled from the image's own minimum and
+    maximum to 0..255: pass the pipeline to_rgb(Image.open(path)) for those."""
+    import warnings
+    from PIL import Image, ImageOps
+    image = ImageOps.exif_transpose(image)
+    if image.mode in WIDE_MODES:
+        values = np.asarray(image, dtype=np.float64)
+        low, high = values.min(), values.max()
+        scaled = (values - low) * (255 / (high - low) if high > low else 0)
+        image = Image.fromarray(np.round(scaled).astype(np.uint8))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Palette images with Transparency")
+        # alpha dropped, not put on white: the pipeline's load_image drops it too
+        return image.convert("RGB")
 
 
 # chunks the workers decode while this process writes one: with a single one they idle at each
@@ -1035,6 +1049,7 @@ def write_image_shards(source, out_dir, size, val_fraction, workers, upsample=Fa
                for split in ("train", "val")}
     sums, squares = np.zeros(3, np.int64), np.zeros(3, np.int64)
     skipped, small, small_count, smallest, done = [], [], 0, size, 0
+    scaled = Counter()  # images of WIDE_MODES, by mode
     start_time = last_print = time.perf_counter()
     for chunk, results in decoded_chunks(iter(source["items"]), size, workers):
         rows = {"train": ([], []), "val": ([], [])}
@@ -1042,7 +1057,9 @@ def write_image_shards(source, out_dir, size, val_fraction, workers, upsample=Fa
             if isinstance(result, str):
                 skipped.append((key, result))
                 continue
-            pixels, channel_sums, channel_squares, shorter_side = result
+            pixels, channel_sums, channel_squares, shorter_side, scaled_mode = result
+            if scaled_mode:
+                scaled[scaled_mode] += 1
             split = split or ("val" if is_val(key, val_fraction) else "train")
             rows[split][0].append(pixels)
             rows[split][1].append(label)
@@ -1085,6 +1102,11 @@ def write_image_shards(source, out_dir, size, val_fraction, workers, upsample=Fa
             + f" -> pass --image-size {smallest}, or remove them")
     if skipped:
         print(f"note: skipped {len(skipped):,} of {done:,} files that do not decode: {named}")
+    if scaled.total():
+        modes = ", ".join(f"{count:,} {mode}" for mode, count in sorted(scaled.items()))
+        print(f"note: scaled {scaled.total():,} images of 16- or 32-bit modes ({modes}) to 8 bits, "
+              "each from its own minimum..maximum to 0..255; the exported pipeline would clip them "
+              "(Pillow's convert) -> pass it preprocess.to_rgb(Image.open(path)), not the path")
     pixel_count = train_images * size * size
     mean = sums / (pixel_count * 255)
     std = np.sqrt(np.maximum(squares / (pixel_count * 255 ** 2) - mean ** 2, 0))

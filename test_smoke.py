@@ -54,7 +54,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from PIL import Image
+from PIL import ExifTags, Image, ImageOps
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 REPO = Path(__file__).resolve().parent
@@ -656,8 +656,9 @@ SUFFIX_OF_MODE = {"RGB": ".jpg", "L": ".png", "P": ".gif", "RGBA": ".png"}
 
 def make_image_folder(root, trees=("train", "val"), per_class=(8, 3), broken=False):
     """Two classes of small images (16 to 40 px a side) in the four modes datasets hold most (RGBA
-    with random alpha), plus a .txt and, if broken, a corrupt .jpg in the first tree; returns the
-    good files' paths relative to root, sorted."""
+    with random alpha; JPEGs with each EXIF orientation in turn, as phones write them), plus a .txt
+    and, if broken, a corrupt .jpg in the first tree; returns the good files' paths relative to
+    root, sorted."""
     rng = np.random.default_rng(0)
     relpaths = []
     for tree, count in zip(trees, per_class):
@@ -670,6 +671,10 @@ def make_image_folder(root, trees=("train", "val"), per_class=(8, 3), broken=Fal
                 relpath = Path(tree, name, f"{i:03d}{SUFFIX_OF_MODE[mode]}").as_posix()
                 if mode == "P":
                     rgba.convert("RGB").quantize(64).save(root / relpath)
+                elif mode == "RGB":
+                    exif = Image.Exif()
+                    exif[ExifTags.Base.Orientation] = i // 4 % 8 + 1
+                    rgba.convert(mode).save(root / relpath, exif=exif)
                 else:
                     (rgba if mode == "RGBA" else rgba.convert(mode)).save(root / relpath)
                 relpaths.append(relpath)
@@ -680,11 +685,16 @@ def make_image_folder(root, trees=("train", "val"), per_class=(8, 3), broken=Fal
 
 
 def pillow_reference(path, size):
-    """What the trainer must get for one file, with Pillow alone: on white, the shorter side to size
-    (bicubic), the centre size x size."""
+    """What the trainer must get for one file, with Pillow alone: upright by its EXIF orientation,
+    16- and 32-bit grey scaled from its own range to 0..255, RGB with alpha dropped (as
+    transformers' load_image), the shorter side to size (bicubic), the centre size x size."""
     with Image.open(path) as image:
-        rgba = image.convert("RGBA")
-    rgb = Image.alpha_composite(Image.new("RGBA", rgba.size, "white"), rgba).convert("RGB")
+        upright = ImageOps.exif_transpose(image)
+    if upright.mode in ("I;16", "I", "F"):
+        values = np.asarray(upright, np.float64)
+        levels = np.round((values - values.min()) * 255 / (values.max() - values.min()))
+        upright = Image.fromarray(levels.astype(np.uint8))
+    rgb = upright.convert("RGB")
     width, height = rgb.size
     new = (size, size * height // width) if width <= height else (size * width // height, size)
     resized = rgb.resize(new, Image.Resampling.BICUBIC)
@@ -759,11 +769,37 @@ def test_images_from_a_folder_with_train_and_val_trees_match_pillows_resize_and_
         assert len(expected) == (80 if split == "train" else 20)
         assert_rows_are_the_files(out, split, folder, expected, 16)
     assert_mean_std_are_the_train_pixels(out)
-    # an RGBA file (random alpha) came out on white: brighter than its own colour values
+    # an RGBA file (random alpha) kept its colour values, not brightened by white under its alpha
     with Image.open(folder / "train/cat/003.png") as rgba:
         assert rgba.mode == "RGBA"
         colours = np.asarray(rgba)[..., :3]
-    assert read_images(out, "train")[0][3].mean() > colours.mean() + 40
+    assert abs(read_images(out, "train")[0][3].mean() - colours.mean()) < 10
+
+
+def test_images_of_16_and_32_bit_modes_are_scaled_by_their_own_range_and_a_note_says_so(tmp_path):
+    """Pillow's convert("RGB") clips 16- and 32-bit grey to near white or black: preprocess.py
+    scales each image from its own minimum..maximum to 0..255 and says in one note how to pass such
+    images to the exported pipeline."""
+    folder, out = tmp_path / "folder", tmp_path / "out"
+    rng = np.random.default_rng(0)
+    for name in IMAGE_CLASSES:
+        (folder / name).mkdir(parents=True)
+        Image.new("RGB", (20, 16), "grey").save(folder / name / "plain.jpg")
+    Image.fromarray(rng.integers(0, 4096, (16, 20), np.uint16)).save(folder / "cat/scan.png")
+    Image.fromarray(rng.integers(10**5, 10**6, (18, 16), np.int32)).save(folder / "dog/counts.tif")
+    Image.fromarray(rng.normal(-3, 1, (16, 16)).astype(np.float32)).save(folder / "dog/field.tif")
+    result = run_preprocess("--images", folder, "--out", out, "--image-size", 16,
+                            "--val-fraction", 0, "--workers", 2)
+    assert result.returncode == 0, result.stderr
+    notes = [line for line in result.stdout.splitlines() if "scaled" in line]
+    assert len(notes) == 1 and notes[0].startswith(
+        "note: scaled 3 images of 16- or 32-bit modes (1 F, 1 I, 1 I;16) to 8 bits, each from its "
+        "own minimum..maximum to 0..255;") and "preprocess.to_rgb(Image.open(path))" in notes[0]
+    relpaths = ["cat/plain.jpg", "cat/scan.png", "dog/counts.tif", "dog/field.tif",
+                "dog/plain.jpg"]
+    assert_rows_are_the_files(out, "train", folder, relpaths, 16)
+    pixels, _ = read_images(out, "train")
+    assert all(64 < pixels[row].mean() < 192 for row in (1, 2, 3))  # neither white nor black
 
 
 def test_images_in_one_folder_are_split_by_a_hash_of_each_path_that_adding_images_does_not_change(
@@ -1037,6 +1073,16 @@ def test_images_rerun_is_noop_and_a_changed_image_needs_force(tmp_path):
     # JPEG's error
     assert any(np.abs(row.astype(int) - red).max() <= 2 for row in read_images(out, split)[0])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["folder", "out"]
+
+
+def test_images_prepared_by_other_pixel_rules_need_force(tmp_path, monkeypatch):
+    make_image_folder(tmp_path / "folder", trees=("",), per_class=(6,))
+    args = ["--images", tmp_path / "folder", "--out", tmp_path / "out", "--image-size", 16,
+            "--workers", 1]
+    assert preprocess_in_process(*args).returncode == 0
+    monkeypatch.setattr(preprocess, "PIXEL_CONVERSION", 1, raising=False)  # as older rules wrote
+    again = preprocess_in_process(*args)
+    assert again.returncode == 2 and "built from other inputs or options" in again.stderr
 
 
 def test_killed_images_run_leaves_no_partial_output_and_the_next_run_removes_its_leftovers(
@@ -3067,8 +3113,15 @@ def test_vit_export_classifies_image_files_in_the_transformers_pipeline_as_the_t
     for index in ids:
         files.append(str(tmp_path / f"{index}.png"))
         Image.fromarray(val.pixels(np.array([index]))[0]).save(files[-1])
+    # the first again, as a GIF whose top-left colour is its transparent one, as GIFs mark it
+    rgb = val.pixels(ids[:1])[0]
+    colours, index_of = np.unique(rgb.reshape(-1, 3), axis=0, return_inverse=True)
+    palette = Image.frombytes("P", rgb.shape[1::-1], index_of.astype(np.uint8).tobytes())
+    palette.putpalette(colours.ravel().tolist())
+    files.append(str(tmp_path / "0_transparent_colour.gif"))
+    palette.save(files[-1], transparency=int(index_of[0]))
     classifier = pipeline("image-classification", model=str(copy / "out/final"), device="cpu")
-    for row, predictions in enumerate(classifier(files, top_k=10)):
+    for row, predictions in zip([*ids, 0], classifier(files, top_k=10)):
         scores = {p["label"]: p["score"] for p in predictions}
         assert set(scores) == set(meta["classes"])  # id2label from the class names
         assert [scores[name] for name in meta["classes"]] == pytest.approx(expected[row].tolist(),
@@ -3173,29 +3226,62 @@ def test_images_too_small_for_4_by_4_patches_are_one_line_error():
         train_ddp.vit_config(cfg, meta)
 
 
-def test_the_exported_image_processor_gives_the_pixels_preprocess_wrote_for_any_crop_margin(
+def write_an_image_in_every_mode(folder):
+    """One file per mode datasets hold, of random pixels: RGB, RGBA and LA with fully transparent
+    rows, L, palettes without transparency, with an alpha per entry and with one transparent
+    colour, CMYK, 16-bit (12-bit values), 32-bit and float grey, a JPEG with an EXIF orientation;
+    their sizes give crop margins of 3, 7 and 4 pixels at 16 px. Returns their paths."""
+    rng = np.random.default_rng(0)
+    colours = rng.integers(0, 256, (23, 20, 4), dtype=np.uint8)
+    colours[::2, :, 3] = 0  # transparent rows keep their colour values in the file
+    rgba = Image.fromarray(colours)
+    palette = rgba.convert("RGB").quantize(64)
+    grey = {"i16.png": rng.integers(0, 4096, (23, 20), np.uint16),  # as 12-bit scanners write
+            "i.tif": rng.integers(-70_000, 70_000, (23, 20), np.int32),
+            "f.tif": rng.normal(0.5, 2, (23, 20)).astype(np.float32)}
+    exif = Image.Exif()
+    exif[ExifTags.Base.Orientation] = 6  # as a phone held upright writes it
+    files = [("rgb.jpg", rgba.convert("RGB"), {}), ("rgba.png", rgba, {}),
+             ("la.png", rgba.convert("LA"), {}), ("l.png", rgba.convert("L"), {}),
+             ("p.gif", palette, {}),
+             ("p_alpha.png", palette, {"transparency": bytes(range(0, 256, 4))}),
+             ("p_colour_key.gif", palette, {"transparency": int(np.asarray(palette)[0, 0])}),
+             ("cmyk.jpg", rgba.convert("CMYK"), {}),
+             *((name, Image.fromarray(values), {}) for name, values in grey.items()),
+             ("exif.jpg", rgba.convert("RGB"), {"exif": exif})]
+    folder.mkdir(parents=True)
+    for index, (name, image, options) in enumerate(files):
+        width, height = [(19, 16), (16, 23), (20, 16)][index % 3]
+        image.crop((0, 0, width, height)).save(folder / name, **options)
+    return [folder / name for name, _, _ in files]
+
+
+def test_the_exported_pipeline_is_served_the_pixels_preprocess_wrote_in_every_mode_and_margin(
         tmp_path):
-    """The pipeline's processor (resize the shorter side, centre crop, normalise) on a file equals
-    preprocess.py's pixels, normalised: also where the crop margin is odd (3 pixels here)."""
+    """What pipeline() does to a path, load_image then the exported processor (resize the shorter
+    side, centre crop, normalise), equals preprocess.py's pixels normalised, for files of every
+    mode and odd crop margins; 16- and 32-bit grey as preprocess.py's note says to pass them."""
     from transformers import AutoConfig, AutoImageProcessor, AutoModelForImageClassification
-    meta = {"image_size": 32, "classes": ["a", "b"], "mean": [0.4, 0.5, 0.6],
+    from transformers.image_utils import load_image
+    meta = {"image_size": 16, "classes": ["a", "b"], "mean": [0.4, 0.5, 0.6],
             "std": [0.2, 0.25, 0.3]}
     config = AutoConfig.for_model("vit", hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                  intermediate_size=64, image_size=32, patch_size=8, num_labels=2)
+                                  intermediate_size=64, image_size=16, patch_size=8, num_labels=2)
     train_ddp.export_image_model(AutoModelForImageClassification.from_config(config), meta,
-                                 tmp_path)
-    processor = AutoImageProcessor.from_pretrained(tmp_path)
-    for width, height in [(35, 32), (32, 39), (36, 32)]:  # margins of 3, 7 and 4 pixels
-        path = tmp_path / f"{width}x{height}.png"
-        rng = np.random.default_rng(width * height)
-        Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(path)
-        pixels, *_ = preprocess.decode_image((str(path), 32))
-        ours = np.frombuffer(pixels, np.uint8).reshape(32, 32, 3).transpose(2, 0, 1) / 255
-        expected = (ours - np.array(meta["mean"])[:, None, None]) / np.array(meta["std"])[:, None,
-                                                                                         None]
+                                 tmp_path / "final")
+    processor = AutoImageProcessor.from_pretrained(tmp_path / "final")
+    mean, std = (np.array(meta[key])[:, None, None] for key in ("mean", "std"))
+    for path in write_an_image_in_every_mode(tmp_path / "images"):
+        pixels, *_ = preprocess.decode_image((str(path), 16))
+        ours = np.frombuffer(pixels, np.uint8).reshape(16, 16, 3).transpose(2, 0, 1) / 255
         with Image.open(path) as image:
-            served = processor(images=image, return_tensors="np")["pixel_values"][0]
-        assert np.abs(served - expected).max() < 1e-5, (width, height)
+            wide = image.mode in ("I;16", "I", "F")
+            served = load_image(preprocess.to_rgb(image) if wide else str(path))
+        if wide:  # Pillow's convert() clips them: the path would be served near-white or black
+            clipped = np.asarray(load_image(str(path)), float)
+            assert np.abs(clipped - np.asarray(served, float)).mean() > 50, path.name
+        pixel_values = processor(images=served, return_tensors="np")["pixel_values"][0]
+        assert np.abs(pixel_values - (ours - mean) / std).max() < 1e-5, path.name
 
 
 def test_a_vit_on_text_data_is_refused_with_the_command_that_prepares_images(data_dir):

@@ -1645,12 +1645,14 @@ def check_classes(train_state, meta, path, cfg):
 def export_image_model(raw_model, meta, final_dir):
     """save_pretrained and the image processor the pipeline applies before the model: the shorter
     side resized to the image size (bicubic) and a centre crop, as preprocess.py did, then
-    meta.json's mean and std: pipeline("image-classification", model=final_dir) classifies."""
+    meta.json's mean and std: pipeline("image-classification", model=final_dir) classifies. The
+    pipeline's load_image turns the image RGB (and upright) first, as preprocess.py's to_rgb."""
     size = meta["image_size"]
     if raw_model.config._attn_implementation == "sdpa_unmasked":  # registered in this process only
         raw_model.set_attn_implementation("sdpa")
     raw_model.save_pretrained(final_dir)
-    processor = {"image_processor_type": "BitImageProcessor", "do_convert_rgb": True,
+    # load_image made it RGB; converting again (transformers 5.24) whitens a GIF's clear colour
+    processor = {"image_processor_type": "BitImageProcessor", "do_convert_rgb": False,
                  "do_resize": True, "size": {"shortest_edge": size}, "resample": 3,
                  "do_center_crop": True, "crop_size": {"height": size, "width": size},
                  "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
