@@ -4297,13 +4297,19 @@ def without(source, tag):
 
 
 def top_level_sources(path):
+    """{name: source} of a file's top-level definitions and assignments, as ast.get_source_segment
+    gives them (which splits the whole file again on every call: seconds for a trainer)."""
     source = Path(path).read_text()
+    lines = [line.encode() for line in source.splitlines(keepends=True)]
     names = {}
     for node in __import__("ast").parse(source).body:
         target = node.targets[0] if node.__class__.__name__ == "Assign" else node
         name = getattr(target, "name", getattr(target, "id", None))
-        if name:
-            names[name] = __import__("ast").get_source_segment(source, node)
+        if name:  # the offsets count UTF-8 bytes
+            segment = lines[node.lineno - 1:node.end_lineno]
+            segment[-1] = segment[-1][:node.end_col_offset]
+            segment[0] = segment[0][node.col_offset:]
+            names[name] = b"".join(segment).decode()
     return names
 
 
