@@ -3357,8 +3357,17 @@ def table_rows(output):
     return rows
 
 
-def test_stress_test_default_run_passes_with_a_row_for_every_op():
-    code, output = launch_stress_test()
+@pytest.fixture(scope="module")
+def default_run_with_soak(tmp_path_factory):
+    """The default sweep and gradient check, then a soak of 2 s (--duration only adds the soak
+    after them)."""
+    figures = tmp_path_factory.mktemp("stress") / "figures.json"
+    code, output = launch_stress_test("--duration", "2", "--json", str(figures))
+    return code, output, figures
+
+
+def test_stress_test_default_run_passes_with_a_row_for_every_op(default_run_with_soak):
+    code, output, _ = default_run_with_soak
     assert code == 0, output
     assert "stress_test: PASS" in output
     rows = table_rows(output)
@@ -3367,32 +3376,43 @@ def test_stress_test_default_run_passes_with_a_row_for_every_op():
     assert "max |grad diff| = 0 across 2 ranks" in output and "max |param diff| = 0 " in output
 
 
-def test_injected_corruption_fails_with_the_wrong_count_in_its_row(tmp_path):
-    figures = tmp_path / "figures.json"
-    code, output = launch_stress_test("--inject-corruption", "1", "--sizes", "8,1K", "--iters", "5",
-                                      "--warmup", "1", "--skip-grad-check", "--json", str(figures))
+@pytest.fixture(scope="module")
+def corrupted_run(tmp_path_factory):
+    """Rank 1 flips one element of the first row's result and changes one gradient element after
+    DDP's all-reduce: each checker must find its own."""
+    figures = tmp_path_factory.mktemp("stress_corrupted") / "figures.json"
+    code, output = launch_stress_test("--inject-corruption", "1", "--inject-grad-corruption", "1",
+                                      "--sizes", "8,1K", "--iters", "5", "--warmup", "1",
+                                      "--json", str(figures))
+    return code, output, figures
+
+
+def test_injected_corruption_fails_with_the_wrong_count_in_its_row(corrupted_run):
+    code, output, figures = corrupted_run
     assert code != 0, output
     rows = table_rows(output)
     assert rows[("all_reduce_sum", 8)][0] == 1, rows[("all_reduce_sum", 8)][1]
     assert sum(wrong for wrong, _ in rows.values()) == 1  # the first row only, found exactly once
-    assert "stress_test: FAIL (#wrong 1 in all_reduce_sum at 8 B)" in output
     saved = json.loads(figures.read_text())
     assert saved["passed"] is False and [row["wrong"] for row in saved["rows"]][0] == 1
+    assert saved["failures"][0] == "#wrong 1 in all_reduce_sum at 8 B"
 
 
-def test_gradient_check_fails_when_one_rank_holds_a_different_gradient():
-    code, output = launch_stress_test("--inject-grad-corruption", "1", "--ops", "broadcast",
-                                      "--sizes", "8", "--iters", "2")
+def test_gradient_check_fails_when_one_rank_holds_a_different_gradient(corrupted_run):
+    code, output, _ = corrupted_run
     assert code != 0, output
     assert "max |grad diff| = 1 across 2 ranks (1 elements differ)" in output
     assert "checksums DIFFER on every rank: FAIL" in output
-    assert "stress_test: FAIL (gradients or parameters differ across ranks)" in output
 
 
-def test_soak_checks_every_result_and_reports_skew(tmp_path):
-    figures = tmp_path / "figures.json"
-    code, output = launch_stress_test("--duration", "2", "--sizes", "8,4K", "--iters", "2",
-                                      "--skip-grad-check", "--json", str(figures))
+def test_the_verdict_names_every_failed_check(corrupted_run):
+    code, output, _ = corrupted_run
+    assert "stress_test: FAIL (#wrong 1 in all_reduce_sum at 8 B; gradients or parameters differ "\
+           "across ranks)" in output, output
+
+
+def test_soak_checks_every_result_and_reports_skew(default_run_with_soak):
+    code, output, figures = default_run_with_soak
     assert code == 0, output
     assert "soak: " in output and ", 0 wrong; arrival skew" in output \
         and "stress_test: PASS" in output
