@@ -45,6 +45,7 @@ import socket
 import subprocess
 import sys
 import time
+import traceback
 import unittest.mock
 from pathlib import Path
 
@@ -2105,6 +2106,42 @@ def process_env(pid):
                 if "=" in item)
 
 
+def fork(function):
+    """Start function() in a process forked from this one: a process of its own, with torch and the
+    trainers imported already (a new interpreter spends seconds importing them). Returns its PID
+    and a pipe of what it prints; it exits when function returns, 1 if it raised."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never back into pytest
+        code = 1
+        try:
+            os.close(read_end)
+            for fd in (1, 2):
+                os.dup2(write_end, fd)
+            sys.stdout = sys.stderr = open(1, "w", buffering=1, closefd=False)
+            function()
+            code = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            os._exit(code)
+    os.close(write_end)
+    return pid, os.fdopen(read_end)
+
+
+def wait_forked(pid, output, timeout=120):
+    """(exit status as subprocess gives it, what it printed) of a process started by fork()."""
+    deadline = time.monotonic() + timeout
+    while (status := os.waitpid(pid, os.WNOHANG))[0] == 0:
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail(f"timed out after {timeout} s: {output.read()[-3000:]}")
+        time.sleep(0.05)
+    return os.waitstatus_to_exitcode(status[1]), output.read()
+
+
 def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step_with_a_checkpoint(
         data_dir, tmp_path):
     """A preemption notice may reach one process only: rank 1 gets SIGTERM, every rank stops after
@@ -2220,28 +2257,22 @@ def test_a_preemption_signalling_launch_torchrun_and_every_worker_twice_stops_af
         (error, printed[-2000:])
 
 
-def test_stop_signals_within_a_minute_repeat_the_first_and_a_later_one_stops_at_once_and_says_so(
-        tmp_path):
-    script = tmp_path / "signals.py"
-    script.write_text(f"""
-import os, signal, sys, time
-sys.path.insert(0, {str(REPO)!r})
-import train_ddp
-train_ddp.STOP_REPEAT_S = 1.0  # a minute in the trainer
-requested = train_ddp.catch_stop_signals()
-for number in (signal.SIGTERM, signal.SIGINT, signal.SIGTERM):  # Slurm's, torchrun's, another
-    os.kill(os.getpid(), number)
-print("requested", [name for name, _ in requested], flush=True)
-time.sleep(1.5)
-os.kill(os.getpid(), signal.SIGTERM)  # past the window: at once
-time.sleep(5)
-print("still running", flush=True)
-""")
-    result = run([sys.executable, str(script)], timeout=120)
-    assert "requested ['SIGTERM']" in result.stdout and "still running" not in result.stdout, result
-    assert result.returncode == -signal.SIGTERM
-    assert "stopped at once by a second SIGTERM" in result.stderr \
-        and "no checkpoint" in result.stderr
+def test_stop_signals_within_a_minute_repeat_the_first_and_a_later_one_stops_at_once_and_says_so():
+    def signalled():
+        train_ddp.STOP_REPEAT_S = 1.0  # a minute in the trainer (this process's copy alone)
+        requested = train_ddp.catch_stop_signals()
+        for number in (signal.SIGTERM, signal.SIGINT, signal.SIGTERM):  # Slurm's, torchrun's, more
+            os.kill(os.getpid(), number)
+        print("requested", [name for name, _ in requested], flush=True)
+        time.sleep(1.5)
+        os.kill(os.getpid(), signal.SIGTERM)  # past the window: at once
+        time.sleep(5)
+        print("still running", flush=True)
+
+    code, output = wait_forked(*fork(signalled))
+    assert "requested ['SIGTERM']" in output and "still running" not in output, output
+    assert code == -signal.SIGTERM, (code, output)
+    assert "stopped at once by a second SIGTERM" in output and "no checkpoint" in output
 
 
 def test_a_second_run_on_a_checkpoint_dir_in_use_stops_at_once_and_the_first_run_ends_as_if_alone(
@@ -2289,20 +2320,20 @@ def test_a_second_run_on_a_checkpoint_dir_in_use_stops_at_once_and_the_first_run
 
 
 def test_a_holder_that_died_never_blocks_the_directory(tmp_path):
-    holder = subprocess.Popen([sys.executable, "-c", f"""
-import sys, time
-sys.path.insert(0, {str(REPO)!r})
-import pathlib, train_ddp
-lock = train_ddp.hold_directory(pathlib.Path({str(tmp_path)!r}), True)
-print("held", flush=True)
-time.sleep(60)
-"""], stdout=subprocess.PIPE, text=True)
-    assert holder.stdout.readline().strip() == "held"
-    with pytest.raises(train_ddp.UserError, match=r"in use by another run \(host .*, PID "
-                                                  rf"{holder.pid}, since"):
-        train_ddp.hold_directory(tmp_path, True)
-    holder.kill()  # as kill -9 or a crash would
-    holder.wait()
+    def hold():
+        lock = train_ddp.hold_directory(tmp_path, True)
+        print("held" if lock else "not held", flush=True)
+        time.sleep(60)
+
+    holder, output = fork(hold)
+    try:
+        assert output.readline().strip() == "held"
+        with pytest.raises(train_ddp.UserError, match=r"in use by another run \(host .*, PID "
+                                                      rf"{holder}, since"):
+            train_ddp.hold_directory(tmp_path, True)
+    finally:
+        os.kill(holder, signal.SIGKILL)  # as kill -9 or a crash would
+        os.waitpid(holder, 0)
     assert train_ddp.hold_directory(tmp_path, True) is not None
 
 
