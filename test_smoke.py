@@ -3185,21 +3185,22 @@ def test_fsdp_masked_lm_with_a_tied_output_layer_gives_the_losses_of_ddp(model_t
     assert losses(tmp_path / "fsdp") == pytest.approx(losses(tmp_path / "ddp"), rel=1e-5)
 
 
-def test_fsdp_ranks_hold_a_shard_each_and_the_export_gives_the_trained_logits(tmp_path):
-    """Each of 2 ranks holds half the parameters and half the AdamW state; the exported directory
-    loads with AutoModelForCausalLM and computes the logits the sharded model computed."""
-    script = tmp_path / "shards.py"
-    script.write_text(f"""
+# Run once on 2 gloo ranks (fsdp_shards_and_scaler): a tiny GPT-2 sharded by train_fsdp.py, trained
+# two steps and exported; then a GradScaler over two fully_shard layers, with an inf in rank 1's
+# shard. Each rank prints what the tests below check.
+FSDP_SCRIPT = """
 import json, os, sys
-sys.path.insert(0, {str(REPO)!r})
+sys.path.insert(0, REPO)
 import torch, torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
 import train_fsdp
+out = sys.argv[1]
 dist.init_process_group("gloo")
 rank, device = dist.get_rank(), torch.device("cpu")
-cfg = train_fsdp.load_config({TINY_MODEL!r} + ["model.dropout=0.0", "train.compile=false"],
+cfg = train_fsdp.load_config(TINY_MODEL + ["model.dropout=0.0", "train.compile=false"],
                              use_cuda=False)
-special = {{"eot": 0, "pad": 1, "mask": 2, "cls": 3, "sep": 4}}
-meta = {{"vocab_size": 448, "special_tokens": special}}
+special = {"eot": 0, "pad": 1, "mask": 2, "cls": 3, "sep": 4}
+meta = {"vocab_size": 448, "special_tokens": special}
 torch.manual_seed(0)
 model, _ = train_fsdp.shard_model(cfg, "causal", meta, device, False, None)
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -3208,50 +3209,18 @@ for _ in range(2):
     model(input_ids=ids, labels=ids).loss.backward()
     optimizer.step()
     optimizer.zero_grad()
-local = {{"parameters": sum(p.to_local().numel() for p in model.parameters()),
-          "total": sum(p.numel() for p in model.parameters()),
-          "adam_state": sum(v.to_local().numel() for s in optimizer.state.values()
-                            for v in s.values() if v.dim() > 0)}}
+local = {"parameters": sum(p.to_local().numel() for p in model.parameters()),
+         "total": sum(p.numel() for p in model.parameters()),
+         "adam_state": sum(v.to_local().numel() for s in optimizer.state.values()
+                           for v in s.values() if v.dim() > 0)}
 with torch.no_grad():
     logits = model(input_ids=ids).logits
 full_model = train_fsdp.gather_full_model(model, cfg, "causal", meta)
 if rank == 0:
-    full_model.save_pretrained({str(tmp_path / "export")!r})
-    torch.save(logits, {str(tmp_path / "logits.pt")!r})
-# one write: ranks never interleave
-os.write(1, f"RESULT {{rank}} {{json.dumps(local)}}\\n".encode())
-dist.destroy_process_group()
-# the results are out: leave without the interpreter's teardown of torch and transformers
-os._exit(0)
-""")
-    result = torchrun(2, script)
-    shares = [json.loads(line.split(" ", 2)[2]) for line in result.stdout.splitlines()
-              if line.startswith("RESULT")]
-    assert len(shares) == 2
-    total = shares[0]["total"]
-    for share in shares:
-        assert abs(share["parameters"] - total / 2) < 0.01 * total, shares
-        # exp_avg and exp_avg_sq of its shard only
-        assert share["adam_state"] == 2 * share["parameters"], shares
-    from transformers import AutoModelForCausalLM
-    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "export")
-    # still tied
-    assert exported.get_output_embeddings().weight is exported.get_input_embeddings().weight
-    ids = torch.randint(5, 448, (4, 64), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        assert torch.allclose(exported(input_ids=ids).logits, torch.load(tmp_path / "logits.pt"),
-                              atol=1e-5)
+    full_model.save_pretrained(f"{out}/export")
+    torch.save(logits, f"{out}/logits.pt")
 
-
-def test_fsdp_grad_scaler_sees_an_overflow_in_one_ranks_shard_on_every_rank(tmp_path):
-    """Why train_fsdp.py can train in fp16 with the plain torch.amp.GradScaler: unscale_ on FSDP2's
-    sharded (DTensor) gradients all-reduces its inf check, so an overflow in one rank's shard lowers
-    the scale on every rank alike, and the ranks keep one loss scale."""
-    script = tmp_path / "scaler.py"
-    script.write_text("""
-import json, os, torch, torch.distributed as dist
-from torch.distributed.fsdp import fully_shard
-dist.init_process_group("gloo")
+# the plain torch.amp.GradScaler over FSDP2's sharded gradients
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
 for layer in model:
@@ -3260,19 +3229,60 @@ fully_shard(model)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
 scaler.scale(model(torch.ones(2, 8)).sum()).backward()
-if dist.get_rank() == 1:
+if rank == 1:
     next(model.parameters()).grad.to_local().view(-1)[0] = float("inf")  # in rank 1's shard only
 before = next(model.parameters()).detach().full_tensor().clone()
 scaler.step(optimizer)
 scaler.update()
 unchanged = torch.equal(before, next(model.parameters()).detach().full_tensor())
-result = json.dumps({"rank": dist.get_rank(), "scale": scaler.get_scale(), "unchanged": unchanged})
-os.write(1, f"RESULT {result}\\n".encode())  # one write: ranks never interleave
+local["scaler"] = {"scale": scaler.get_scale(), "unchanged": unchanged}
+# one write: ranks never interleave
+os.write(1, f"RESULT {rank} {json.dumps(local)}\\n".encode())
 dist.destroy_process_group()
-""")
-    result = torchrun(2, script)
-    results = [json.loads(line.split(" ", 1)[1]) for line in result.stdout.splitlines()
-               if line.startswith("RESULT")]
+# the results are out: leave without the interpreter's teardown of torch and transformers
+os._exit(0)
+"""
+
+
+@pytest.fixture(scope="module")
+def fsdp_shards_and_scaler(tmp_path_factory):
+    """(each rank's figures, the directory of the export and the sharded model's logits)."""
+    out = tmp_path_factory.mktemp("fsdp_script")
+    script = out / "fsdp_script.py"
+    script.write_text(f"REPO, TINY_MODEL = {str(REPO)!r}, {TINY_MODEL!r}\n" + FSDP_SCRIPT)
+    result = torchrun(2, script, str(out))
+    per_rank = [json.loads(line.split(" ", 2)[2]) for line in result.stdout.splitlines()
+                if line.startswith("RESULT")]
+    assert len(per_rank) == 2, result.stdout[-3000:]
+    return per_rank, out
+
+
+def test_fsdp_ranks_hold_a_shard_each_and_the_export_gives_the_trained_logits(
+        fsdp_shards_and_scaler):
+    """Each of 2 ranks holds half the parameters and half the AdamW state; the exported directory
+    loads with AutoModelForCausalLM and computes the logits the sharded model computed."""
+    shares, out = fsdp_shards_and_scaler
+    total = shares[0]["total"]
+    for share in shares:
+        assert abs(share["parameters"] - total / 2) < 0.01 * total, shares
+        # exp_avg and exp_avg_sq of its shard only
+        assert share["adam_state"] == 2 * share["parameters"], shares
+    from transformers import AutoModelForCausalLM
+    exported = AutoModelForCausalLM.from_pretrained(out / "export")
+    # still tied
+    assert exported.get_output_embeddings().weight is exported.get_input_embeddings().weight
+    ids = torch.randint(5, 448, (4, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.allclose(exported(input_ids=ids).logits, torch.load(out / "logits.pt"),
+                              atol=1e-5)
+
+
+def test_fsdp_grad_scaler_sees_an_overflow_in_one_ranks_shard_on_every_rank(
+        fsdp_shards_and_scaler):
+    """Why train_fsdp.py can train in fp16 with the plain torch.amp.GradScaler: unscale_ on FSDP2's
+    sharded (DTensor) gradients all-reduces its inf check, so an overflow in one rank's shard lowers
+    the scale on every rank alike, and the ranks keep one loss scale."""
+    results = [share["scaler"] for share in fsdp_shards_and_scaler[0]]
     assert [r["scale"] for r in results] == [512.0, 512.0], results  # halved on both ranks
     assert all(r["unchanged"] for r in results), results  # and the step skipped on both
 
