@@ -1184,36 +1184,10 @@ def test_bf16_and_flash_attention_are_chosen_by_compute_capability(monkeypatch):
     assert train_ddp.choose_attention("sdpa", cpu, "image") == "sdpa"  # asked for by name: as asked
 
 
-def test_one_rank_decides_and_a_failure_on_any_rank_stops_all(tmp_path):
+def test_one_rank_decides_and_a_failure_on_any_rank_stops_all(reducer_results):
     """on_rank0 hands rank 0's answer to every rank; on_all_ranks lets rank 0 report another rank's
-    failure."""
-    script = tmp_path / "agree.py"
-    script.write_text(f"""
-import json, os, sys
-sys.path.insert(0, {str(REPO)!r})
-import torch.distributed as dist
-import train_ddp
-dist.init_process_group("gloo")
-rank = dist.get_rank()
-def fails_on(bad_rank):
-    if rank == bad_rank:
-        train_ddp.die(f"cannot read the file on rank {{rank}}")
-    return "fine"
-results = {{"picked": train_ddp.on_rank0(lambda: f"picked by rank {{rank}}")}}
-for name, helper in [("on_rank0", train_ddp.on_rank0), ("on_all_ranks", train_ddp.on_all_ranks)]:
-    for bad_rank in (0, 1):
-        try:
-            results[f"{{name}} failing on {{bad_rank}}"] = helper(fails_on, bad_rank)
-        except train_ddp.UserError as error:
-            results[f"{{name}} failing on {{bad_rank}}"] = "error: " + str(error)
-with open(f"{{sys.argv[1]}}/rank{{rank}}.json", "w") as file:
-    json.dump(results, file)
-dist.destroy_process_group()
-# the results are written: leave without the interpreter's teardown of torch and transformers
-os._exit(0)
-""")
-    torchrun(2, script, str(tmp_path))
-    per_rank = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    failure. Run on 2 ranks in the launch of the gradient reduction tests (REDUCER_SCRIPT, 5.)."""
+    per_rank = reducer_results["agreed_per_rank"]
     assert per_rank[0] == per_rank[1]
     assert per_rank[0] == {
         "picked": "picked by rank 0",
@@ -1606,8 +1580,8 @@ def test_the_host_waits_for_the_gpu_once_a_step_after_queuing_its_backward_and_t
 # ---- train_ddp.py: gradient reduction ------------------------------------------------------------
 
 # Run once on 2 gloo ranks (reducer_results): DDP and InlineReducer side by side on a tiny GPT-2,
-# each rank with its own data; the folk recipe; bf16 compression. Rank 0 prints what the tests below
-# check.
+# each rank with its own data; the folk recipe; bf16 compression; and, for the distributed init
+# tests, on_rank0 and on_all_ranks. Rank 0 prints what the tests check.
 REDUCER_SCRIPT = """
 import contextlib, json, os, sys, time
 from types import SimpleNamespace
@@ -1770,6 +1744,24 @@ for name, everything, wait, late in [("folk_recipe", False, False, False),
     results[name] = {"rank_spread": spread_over_ranks(flat_weights),
                      "first_param_spread": spread_over_ranks(first_weights),
                      "finished_before_step": finished_before_step}
+
+# 5. on_rank0 and on_all_ranks (the distributed init tests, sharing this launch): rank 0's answer
+#    on every rank, and a failure on either rank
+def fails_on(bad_rank):
+    if rank == bad_rank:
+        train_ddp.die(f"cannot read the file on rank {rank}")
+    return "fine"
+
+
+agreed = {"picked": train_ddp.on_rank0(lambda: f"picked by rank {rank}")}
+for name, helper in [("on_rank0", train_ddp.on_rank0), ("on_all_ranks", train_ddp.on_all_ranks)]:
+    for bad_rank in (0, 1):
+        try:
+            agreed[f"{name} failing on {bad_rank}"] = helper(fails_on, bad_rank)
+        except train_ddp.UserError as error:
+            agreed[f"{name} failing on {bad_rank}"] = "error: " + str(error)
+results["agreed_per_rank"] = [None] * world_size
+dist.all_gather_object(results["agreed_per_rank"], agreed)
 
 if rank == 0:
     print("RESULT " + json.dumps(results), flush=True)
