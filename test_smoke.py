@@ -2221,11 +2221,11 @@ def test_a_preemption_signalling_launch_torchrun_and_every_worker_twice_stops_af
         read_until(launch, "step 5/", output)
         everyone = [launch.pid, *processes_of(port)]
         assert len(everyone) >= 4, everyone  # launch.sh, torchrun, 2 workers
-        for _ in range(2):  # twice within a minute, as Slurm's notice and torchrun's would come
+        for round_ in range(2):  # twice within a minute, as Slurm's notice and torchrun's come
+            time.sleep(round_)
             for pid in everyone:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGTERM)
-            time.sleep(1)
         output += launch.stdout.readlines()
         launch.wait(timeout=120)
         survivors = [pid for pid in processes_of(port) if is_running(pid)]
