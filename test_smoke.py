@@ -3808,20 +3808,21 @@ def launch_on_host(hosts, address, node_rank, *args, env_extra=None):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def test_two_hosts_train_together_with_world_size_4(two_hosts, data_dir, tmp_path):
+def test_two_hosts_train_together_with_one_rank_each(two_hosts, data_dir, tmp_path):
+    """One process per host: every collective crosses from one namespace to the other."""
     # one directory: the two "hosts" share this machine's files
     args = [f"data.dir={data_dir}", *EIGHT_STEPS, "train.max_steps=2", f"out_dir={tmp_path}",
             f"checkpoint.dir={tmp_path}/ckpt"]
     nodes = [launch_on_host(two_hosts, address, rank, *args,
-                            env_extra={"LOG_DIR": str(tmp_path / "logs")})
+                            env_extra={"LOG_DIR": str(tmp_path / "logs"), "NPROC_PER_NODE": "1"})
              for rank, address in enumerate(two_hosts)]
     outputs = [node.communicate(timeout=240) for node in nodes]
     for node, (stdout, stderr) in zip(nodes, outputs):
         assert node.returncode == 0, stdout[-3000:] + stderr[-3000:]
-    assert "world size 4 (gloo, cpu)" in outputs[0][0]
+    assert "world size 2 (gloo, cpu)" in outputs[0][0]
     assert ("master                     ok (10.77.0.1:29500 answers as a torchrun rendezvous "
             "server)") in outputs[1][0]
-    assert read_metrics(tmp_path, "start")[0]["world_size"] == 4
+    assert read_metrics(tmp_path, "start")[0]["world_size"] == 2
     assert [t["step"] for t in read_metrics(tmp_path, "train")] == [1, 2]
 
 
