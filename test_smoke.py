@@ -2134,41 +2134,56 @@ def wait_forked(pid, output, timeout=120):
     return os.waitstatus_to_exitcode(status[1]), output.read()
 
 
+# the arguments of nans_then_sigterm_run
+NANS_THEN_STOP = [*EIGHT_STEPS, "train.max_steps=100000", "log.every=2", "checkpoint.every=2",
+                  "checkpoint.keep=100"]
+
+
+@pytest.fixture(scope="module")
+def nans_then_sigterm_run(data_dir, tmp_path_factory):
+    """2 ranks, a checkpoint every 2 steps: a NaN on rank 1 at step 3 and on rank 0 at step 4 (the
+    faults tests read it), then SIGTERM to rank 1 alone once step 6 is logged. Returns (out_dir,
+    exit code, output)."""
+    out = tmp_path_factory.mktemp("nans_then_sigterm")
+    command = torchrun_command(2, "train_ddp.py", f"data.dir={data_dir}", *NANS_THEN_STOP,
+                               f"out_dir={out}", f"checkpoint.dir={out}/ckpt")
+    process = subprocess.Popen(command, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1",
+                                                       "PYTHONUNBUFFERED": "1",
+                                                       "FAULT": "nan:1:3,nan:0:4"},
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True)
+    output = []
+    try:
+        read_until(process, "step 6/", output)
+        port = command[command.index("--master-port") + 1]
+        rank1 = [pid for pid in os.listdir("/proc") if pid.isdigit()
+                 and process_env(pid).get("RANK") == "1"
+                 and process_env(pid).get("MASTER_PORT") == port]
+        assert len(rank1) == 1, rank1
+        os.kill(int(rank1[0]), signal.SIGTERM)
+        output += process.stdout.readlines()
+        process.wait(timeout=120)
+    finally:
+        kill_process_tree(process.pid)
+    return out, process.returncode, "".join(output)
+
+
 def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step_with_a_checkpoint(
-        data_dir, tmp_path):
+        nans_then_sigterm_run, data_dir):
     """A preemption notice may reach one process only: rank 1 gets SIGTERM, every rank stops after
     the same step, the checkpoint of that step is written, the job exits non-zero, and a new start
     resumes from it."""
-    command = torchrun_command(2, "train_ddp.py", f"data.dir={data_dir}", *EIGHT_STEPS,
-                               "train.max_steps=100000", "checkpoint.every=100000", "log.every=2",
-                               f"out_dir={tmp_path}", f"checkpoint.dir={tmp_path}/ckpt")
-    process = subprocess.Popen(command, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1",
-                                                       "PYTHONUNBUFFERED": "1"},
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    output = []
-    for line in process.stdout:
-        output.append(line)
-        if line.startswith("step 4/"):
-            break
-    port = command[command.index("--master-port") + 1]
-    rank1 = [pid for pid in os.listdir("/proc") if pid.isdigit()
-             and process_env(pid).get("RANK") == "1"
-             and process_env(pid).get("MASTER_PORT") == port]
-    assert len(rank1) == 1, rank1
-    os.kill(int(rank1[0]), signal.SIGTERM)
-    output += process.stdout.readlines()
-    process.wait(timeout=120)
-    text = "".join(output)
-    assert process.returncode != 0
+    out, returncode, text = nans_then_sigterm_run
+    assert returncode != 0
     stopped = re.search(r"^stopped at step (\d+) by a stop signal", text, re.MULTILINE)
     assert stopped, text[-3000:]
     step = int(stopped.group(1))
-    assert train_ddp.checksum_mismatch(tmp_path / "ckpt" / f"step_{step:06d}") is None
-    error, printed = train_in_process(f"data.dir={data_dir}", *EIGHT_STEPS,
-                                      f"train.max_steps={step + 1}", "checkpoint.every=100000",
-                                      f"out_dir={tmp_path}", f"checkpoint.dir={tmp_path}/ckpt",
+    assert train_ddp.checksum_mismatch(out / "ckpt" / f"step_{step:06d}") is None
+    args = [a for a in NANS_THEN_STOP if not a.startswith("train.max_steps")]
+    error, printed = train_in_process(f"data.dir={data_dir}", *args, f"train.max_steps={step + 1}",
+                                      f"out_dir={out}/resumed", f"checkpoint.dir={out}/ckpt",
                                       "export=false")
-    assert error is None and f"resumed from {tmp_path}/ckpt/step_{step:06d}" in printed, \
+    assert error is None and f"resumed from {out}/ckpt/step_{step:06d}" in printed, \
         (error, printed)
 
 
@@ -2587,25 +2602,22 @@ def test_a_killed_rank_restarts_from_the_last_checkpoint_and_continues_bitwise_i
 
 
 def test_nans_on_either_rank_skip_those_steps_on_every_rank_and_leave_weights_and_adamw_untouched(
-        data_dir, tmp_path):
+        nans_then_sigterm_run):
     """A NaN on rank 1 at step 3, on rank 0 at step 4: both steps skipped on both ranks, logged as
     steps 3 and 4. The checkpoints of steps 2 and 4 must hold the same weights and AdamW state
-    (moments, step counts)."""
-    result = torchrun(2, "train_ddp.py", f"data.dir={data_dir}", *EIGHT_STEPS, "train.max_steps=6",
-                      "log.every=2", "checkpoint.every=2", "checkpoint.keep=3",
-                      f"out_dir={tmp_path}", f"checkpoint.dir={tmp_path}/ckpt",
-                      env_extra={"FAULT": "nan:1:3,nan:0:4"})
-    lines = result.stdout.splitlines()
+    (moments, step counts). (The run, nans_then_sigterm_run, is stopped later by a signal.)"""
+    out, _, text = nans_then_sigterm_run
+    lines = text.splitlines()
     skipped_3 = lines.index("step 3 | non-finite gradient: update skipped (1 in a row)")
     skipped_4 = lines.index("step 4 | non-finite gradient: update skipped (2 in a row)")
     assert skipped_3 < skipped_4 < next(i for i, line in enumerate(lines)
-                                        if line.startswith("step 4/6"))
-    train = {t["step"]: t for t in read_metrics(tmp_path, "train")}
-    assert sorted(train) == [2, 4, 6] and [train[step]["skipped_steps"]
-                                           for step in (2, 4, 6)] == [0, 2, 0]
+                                        if line.startswith("step 4/"))
+    train = {t["step"]: t for t in read_metrics(out, "train")}
+    assert {2, 4, 6} <= set(train) and [train[step]["skipped_steps"]
+                                        for step in (2, 4, 6)] == [0, 2, 0]
     assert train[4]["loss"] is None and math.isfinite(train[2]["loss"]) \
         and math.isfinite(train[6]["loss"])
-    ckpt = tmp_path / "ckpt"
+    ckpt = out / "ckpt"
     before, after, last = (final_weights(ckpt / f"step_{step:06d}") for step in (2, 4, 6))
     assert all(torch.equal(before[name], after[name]) for name in before)
     assert not all(torch.equal(after[name], last[name]) for name in after)  # training went on
