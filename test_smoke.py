@@ -4438,6 +4438,17 @@ def test_bench_reads_timms_samples_per_sec_from_its_result_and_says_why_there_is
     assert "timm ran batches of 16, not 256" in smaller["note"]
 
 
+def test_bench_variants_of_the_trainer_still_find_the_lines_they_replace():
+    """A variant whose text no longer matches fails its side on the GPU machine, a call late."""
+    bench = load_bench()
+    source = (REPO / "train_ddp.py").read_text()
+    for name, replacements in bench.VARIANTS.items():
+        if name in bench.VARIANT_BASES:  # made from a folder outside the repository
+            continue
+        for old, _ in replacements:
+            assert old in source, (name, old)
+
+
 def test_bench_timm_flags_ask_for_vit_b16_as_ours_runs_it_and_resize_it_for_tiny():
     bench = load_bench()
     flags = bench.timm_flags(bench.VIT_SHAPE, bench.VIT_BATCH, steps=300, skip_steps=30, tiny=False)
@@ -4749,7 +4760,7 @@ def test_functions_both_trainers_define_are_the_same_source_but_fsdps_own():
 
 
 # Lines per file: a budget against growth.
-FILE_BUDGET = {"train_ddp.py": 2700, "train_fsdp.py": 2340}
+FILE_BUDGET = {"train_ddp.py": 2830, "train_fsdp.py": 2470}
 
 
 def test_main_and_train_step_fit_their_budgets_and_the_core_comes_first():
