@@ -617,7 +617,8 @@ SPLIT_WORDS = {"train": "train", "val": "val", "valid": "val", "validation": "va
 
 
 def add_image_options(add):
-    add("--images", nargs="?", const="", metavar="SOURCE",
+    # --images alone is True, the digits: --images "" (an unset shell variable) is a mistake
+    add("--images", nargs="?", const=True, metavar="SOURCE",
         help="images instead of text: a folder of class sub-folders, Parquet/Arrow files in "
              "Hugging Face's layout, or nothing for scikit-learn's digits (into data/digits)")
     add("--image-size", type=int, metavar="N",
@@ -648,23 +649,33 @@ def build_images(args):
         import PIL  # noqa: F401  (here, so that the text path runs without it)
     except ImportError:
         die("Pillow is not installed -> pip install Pillow")
-    digits = not args.images
+    if args.images == "":
+        die('--images "" is an empty path (an unset shell variable?) -> pass a folder or file, or '
+            "--images with nothing after it for scikit-learn's digits")
+    digits = args.images is True
     defaults = DIGITS_DEFAULTS if digits else IMAGE_DEFAULTS
     size = args.image_size if args.image_size is not None else defaults["image_size"]
     val_fraction = (args.val_fraction if args.val_fraction is not None
                     else defaults["val_fraction"])
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     workers = next(k for k in (args.workers, defaults["workers"], cpus) if k is not None)
-    if not 1 <= size <= MAX_IMAGE_SIZE:
-        die(f"--image-size {size} is not between 1 and {MAX_IMAGE_SIZE} "
-            "-> pass e.g. --image-size 224")
+    if not 4 <= size <= MAX_IMAGE_SIZE:
+        die(f"--image-size {size} is not between 4 and {MAX_IMAGE_SIZE} (a ViT needs 4 x 4 patches "
+            "of at least one pixel) -> pass e.g. --image-size 224")
     if workers < 1:
         die(f"--workers {workers} is not positive -> pass e.g. --workers {cpus}, or leave it out")
     if not 0 <= val_fraction <= 1:
         die(f"val fraction {val_fraction} is not between 0 and 1 -> pass e.g. --val-fraction 0.1")
     if not digits and not args.out:
-        die(f"--images {args.images} needs --out -> pass e.g. --out data/{Path(args.images).name}")
+        given = Path(args.images).resolve()  # resolved, --images . has a name
+        suggestion = Path("data", (given.stem if given.is_file() else given.name) or "images")
+        if Path.cwd().resolve().is_relative_to(given):  # from inside the images: beside them
+            suggestion = Path(os.path.relpath(given.parent / suggestion))
+        die(f"--images {args.images} needs --out -> pass e.g. --out {suggestion}")
     out = Path(args.out or DIGITS_DEFAULTS["out"])
+    if not digits and out.resolve().is_relative_to(Path(args.images).resolve()):
+        die(f"--out {out} lies inside --images {args.images}, where a rerun would read it as "
+            "images -> pass an --out outside it")
     source = digits_source() if digits else path_source(Path(args.images))
     if len(source["classes"]) < 2:  # a classifier with one class learns nothing
         die(f"{source['description']}: one class only ({source['classes'][0]}) -> give it two or "
@@ -1082,7 +1093,8 @@ def write_image_shards(source, out_dir, size, val_fraction, workers, upsample=Fa
         die(f"{small_count:,} of {done - len(skipped):,} images are smaller than --image-size "
             f"{size} on their shorter side: {', '.join(small)}"
             + (", ..." if small_count > 3 else "")
-            + f" -> pass --image-size {smallest}, or remove them")
+            + (f" -> pass --image-size {smallest}, or remove them" if smallest >= 4 else
+               " -> remove them (a ViT needs 4 pixels or more a side)"))
     if skipped:
         print(f"note: skipped {len(skipped):,} of {done:,} files that do not decode: {named}")
     pixel_count = train_images * size * size

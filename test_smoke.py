@@ -905,6 +905,18 @@ def bad_images_args(case, tmp_path):
             (folder / name).mkdir(parents=True)
             (folder / name / "a.jpg").write_bytes(b"\xff\xd8\xff\xe0 cut short")
         return ["--images", folder]
+    if case == "images_smaller_than_4_pixels":
+        make_image_folder(folder, trees=("",), per_class=(3,))
+        Image.new("RGB", (2, 30)).save(folder / "cat" / "thin.png")
+        return ["--images", folder, "--image-size", 16]
+    if case == "an_out_inside_the_images":
+        make_image_folder(folder, trees=("",), per_class=(2,))
+        return ["--images", folder, "--out", folder / "out"]
+    if case == "an_empty_images_path":  # an unset shell variable
+        return ["--images", ""]
+    png = io.BytesIO()
+    Image.new("RGB", (20, 20)).save(png, format="PNG")
+    image_rows = [{"bytes": png.getvalue(), "path": "a.png"}] * 4
     png = io.BytesIO()
     Image.new("RGB", (20, 20)).save(png, format="PNG")
     image_rows = [{"bytes": png.getvalue(), "path": "a.png"}] * 4
@@ -931,6 +943,8 @@ def bad_images_args(case, tmp_path):
         return ["--images", tmp_path / "t.parquet"]
     if case == "image_size_0":
         return ["--images", "--image-size", 0]
+    if case == "image_size_3":
+        return ["--images", "--image-size", 3]
     if case == "image_size_not_a_number":
         return ["--images", "--image-size", "big"]
     if case == "workers_0":
@@ -957,11 +971,16 @@ def bad_images_args(case, tmp_path):
                                             "cat/small.png (14 px), dog/small.png (12 px)",
                                             "-> pass --image-size 12, or remove them")),
     ("no_image_decodes", "no image of it decodes"),
+    ("images_smaller_than_4_pixels", ("1 of 7 images are smaller than --image-size 16",
+                                      "cat/thin.png (2 px) -> remove them (a ViT needs 4")),
+    ("an_out_inside_the_images", "lies inside --images"),
+    ("an_empty_images_path", '--images "" is an empty path'),
     ("parquet_without_label_column", "has no label column"),
     ("parquet_labels_of_floats", "not integers or strings"),
     ("parquet_labels_of_minus_1", "negative label"),
     ("parquet_class_without_images", "class 'bird' has no images"),
     ("image_size_0", "--image-size 0 is not between"),
+    ("image_size_3", "--image-size 3 is not between 4 and"),
     ("image_size_not_a_number", "invalid int value: 'big'"),
     ("workers_0", "--workers 0 is not positive"),
     ("everything_held_out", "--val-fraction 1.0 holds out"),
@@ -1057,6 +1076,35 @@ def test_killed_images_run_leaves_no_partial_output_and_the_next_run_removes_its
     result = preprocess_in_process("--images", "--out", out, "--image-size", 8)
     assert result.returncode == 0, result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def build_folder(folder, out, *args):
+    return preprocess_in_process("--images", folder, "--out", out, "--image-size", 16,
+                                 "--workers", 1, *args)
+
+
+def test_images_without_out_suggest_an_out_that_works_and_lies_outside_the_images(tmp_path):
+    folder = tmp_path / "photos"
+    make_image_folder(folder, trees=("",), per_class=(3,))
+    for cwd, images in ((tmp_path, "photos"), (folder, ".")):
+        failed = run([sys.executable, REPO / "preprocess.py", "--images", images], cwd=cwd)
+        assert failed.returncode == 2 and "needs --out" in failed.stderr, failed.stderr
+        suggested = re.search(r"pass e\.g\. --out (\S+)$", failed.stderr.strip()).group(1)
+        result = run([sys.executable, REPO / "preprocess.py", "--images", images, "--out",
+                      suggested, "--image-size", "16", "--workers", "1"], cwd=cwd)
+        assert result.returncode == 0, result.stderr
+        built = (cwd / suggested).resolve()
+        assert (built / "meta.json").exists() and not built.is_relative_to(folder.resolve())
+        shutil.rmtree(built)
+
+
+def test_images_smaller_than_the_image_size_suggest_an_image_size_that_works(tmp_path):
+    args = bad_images_args("images_smaller_than_the_image_size", tmp_path)
+    failed = build_folder(*args[1:2], tmp_path / "out", *args[2:])
+    assert failed.returncode == 2
+    size = re.search(r"-> pass --image-size (\d+),", failed.stderr).group(1)
+    result = build_folder(args[1], tmp_path / "out", "--image-size", size)
+    assert result.returncode == 0, result.stderr
 
 
 # ---- train_ddp.py: config ------------------------------------------------------------------------
