@@ -732,7 +732,7 @@ def build_images(args):
 
 
 # ---- images: the sources, each a dict whose items are (key, label, split or None, what to decode)
-# (tried, passed_over: for the note of the files not read)
+# (to_split: the (key, label) of items without a split; tried, passed_over: for the note of skips)
 
 def path_source(given):
     if given.is_file():
@@ -956,6 +956,7 @@ def folder_source(root, trees, found, passed_over, note):
     return {"classes": classes, "items": [item[:4] for item in items], "total": len(items),
             "split_given": " and ".join(trees) if len(trees) == 2 else None,
             "identity": digest.hexdigest(), "tried": tried, "passed_over": passed_over,
+            "to_split": [(key, label) for key, label, split, *_ in items if split is None],
             "description": f"{shown(root)}: image folder, {len(items):,} images in "
                            f"{len(classes)} classes"}
 
@@ -1001,7 +1002,8 @@ def table_source(root, relpaths):
     used = [(path, relpath, ("val" if word == val_word else "train") if val_word else None)
             for (path, relpath, _), word in zip(tables, words)
             if word not in ("val", "test") or word == val_word]
-    labels = pa.chunked_array([read_column(path, label_column) for path, _, _ in used], label_type)
+    columns = [read_column(path, label_column) for path, _, _ in used]
+    labels = pa.chunked_array(columns, label_type)
     if len(labels) == 0:
         die(f"the files in {root} have no rows -> pass files that hold images")
     if labels.null_count:
@@ -1029,9 +1031,12 @@ def table_source(root, relpaths):
     identity = [[str(path.resolve()), path.stat().st_size, path.stat().st_mtime_ns]
                 for path, _, _ in used]
     suffixes = "/".join(sorted({path.suffix for path, _, _ in used}))
+    to_split = [] if val_word else [
+        (f"{relpath}:{row}", label_of[label]) for (_, relpath, _), column in zip(used, columns)
+        for row, label in enumerate(column.to_pylist())]
     return {"classes": classes, "items": table_items(used, image_column, label_column, label_of),
             "total": len(labels), "split_given": "file names" if val_word else None,
-            "identity": identity, "tried": set(), "passed_over": [],
+            "identity": identity, "tried": set(), "passed_over": [], "to_split": to_split,
             "description": f"{shown(root)}: {len(used)} {suffixes} files, {len(labels):,} images "
                            f"in {len(classes)} classes"}
 
@@ -1101,7 +1106,7 @@ def digits_source():
              for index, (image, label) in enumerate(zip(pixels, target))]
     return {"classes": [str(digit) for digit in range(10)], "items": items, "total": len(items),
             "split_given": None, "identity": f"scikit-learn {version} load_digits",
-            "tried": set(), "passed_over": [],
+            "tried": set(), "passed_over": [], "to_split": [item[:2] for item in items],
             "description": f"scikit-learn {version} load_digits: {len(items):,} 8x8 grayscale "
                            "scans of handwritten digits, upsampled"}
 
@@ -1189,6 +1194,16 @@ def decoded_chunks(items, size, workers):
             yield done, results.get()
 
 
+def first_keys_held_out(keys_and_labels, val_fraction):
+    """The first key of each class that is_val() would hold out whole."""
+    first, trained = {}, set()
+    for key, label in keys_and_labels:
+        first.setdefault(label, key)
+        if not is_val(key, val_fraction):
+            trained.add(label)
+    return {key for label, key in first.items() if label not in trained}
+
+
 def write_image_shards(source, out_dir, size, val_fraction, workers, upsample=False):
     """Decode the source's images into train/val shards; return what meta.json holds of them.
     Images smaller than size are an error, unless upsample (the 8x8 digits)."""
@@ -1199,7 +1214,9 @@ def write_image_shards(source, out_dir, size, val_fraction, workers, upsample=Fa
                for split in ("train", "val")}
     sums, squares = np.zeros(3, np.int64), np.zeros(3, np.int64)
     skipped, small, small_count, smallest, done = [], [], 0, size, 0
-    passed_over, tried_and_failed = list(source["passed_over"]), 0
+    passed_over, tried_and_failed, train_counts = list(source["passed_over"]), 0, Counter()
+    # a class the hash would hold out whole trains on its first image: else no model could learn it
+    to_train = first_keys_held_out(source["to_split"], val_fraction) if val_fraction < 1 else ()
     start_time = last_print = time.perf_counter()
     for chunk, results in decoded_chunks(iter(source["items"]), size, workers):
         rows = {"train": ([], []), "val": ([], [])}
@@ -1212,7 +1229,8 @@ def write_image_shards(source, out_dir, size, val_fraction, workers, upsample=Fa
                     skipped.append((key, result))
                 continue
             pixels, channel_sums, channel_squares, shorter_side = result
-            split = split or ("val" if is_val(key, val_fraction) else "train")
+            if split is None:
+                split = "val" if key not in to_train and is_val(key, val_fraction) else "train"
             rows[split][0].append(pixels)
             rows[split][1].append(label)
             if shorter_side < size:
@@ -1222,6 +1240,7 @@ def write_image_shards(source, out_dir, size, val_fraction, workers, upsample=Fa
             if split == "train":
                 sums += channel_sums
                 squares += channel_squares
+                train_counts[label] += 1
         for split, (pixels, labels) in rows.items():
             if labels:
                 writers[split].write([pa.array(pixels, pa.binary(row_bytes)),
@@ -1256,6 +1275,12 @@ def write_image_shards(source, out_dir, size, val_fraction, workers, upsample=Fa
             + (f" -> pass --image-size {smallest}, or remove them" if smallest >= 4 else
                " -> remove them (a ViT needs 4 pixels or more a side)"))
     print_skipped(skipped, named, images, passed_over)
+    untrained = [name for label, name in enumerate(source["classes"]) if not train_counts[label]]
+    if untrained:
+        print(f"warning: {len(untrained)} of {len(source['classes'])} classes have no image in "
+              f"the train split, so the model cannot learn them: {', '.join(untrained[:5])}"
+              + (", ..." if len(untrained) > 5 else "")
+              + " -> give each some training images, or remove them", file=sys.stderr)
     pixel_count = train_images * size * size
     mean = sums / (pixel_count * 255)
     std = np.sqrt(np.maximum(squares / (pixel_count * 255 ** 2) - mean ** 2, 0))

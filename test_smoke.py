@@ -1100,8 +1100,12 @@ def build_folder(folder, out, *args):
 
 def hash_split(relpaths, val_fraction):
     """{split: relpaths} as preprocess.py splits a folder without split folders: by a hash of each
-    path."""
+    path, but a class the hash would hold out whole trains on its first image."""
     val = [relpath for relpath in relpaths if in_val(relpath, val_fraction)]
+    for name in {Path(relpath).parent for relpath in relpaths}:
+        in_class = sorted(relpath for relpath in relpaths if Path(relpath).parent == name)
+        if all(relpath in val for relpath in in_class):
+            val.remove(in_class[0])
     return {"train": [relpath for relpath in relpaths if relpath not in val], "val": val}
 
 
@@ -1275,6 +1279,48 @@ def test_images_smaller_than_the_image_size_suggest_an_image_size_that_works(tmp
     size = re.search(r"-> pass --image-size (\d+),", failed.stderr).group(1)
     result = build_folder(args[1], tmp_path / "out", "--image-size", size)
     assert result.returncode == 0, result.stderr
+
+
+def test_images_split_by_a_hash_keep_a_training_image_in_every_class(tmp_path):
+    """40 classes of 1 or 2 images: a hash of each path at --val-fraction 0.5 would hold out some
+    whole; the first image of each such class trains instead."""
+    folder, out = tmp_path / "folder", tmp_path / "out"
+    relpaths = []
+    for index in range(40):
+        (folder / f"c{index:02d}").mkdir(parents=True)
+        for i in range(1 + index % 2):
+            relpaths.append(f"c{index:02d}/{i}.png")
+            Image.new("RGB", (20, 20), (index * 6, i * 100, 0)).save(folder / relpaths[-1])
+    assert sum(all(in_val(relpath, 0.5) for relpath in relpaths
+                   if relpath.startswith(f"c{index:02d}/")) for index in range(40)) >= 5
+    result = build_folder(folder, out, "--val-fraction", 0.5)
+    assert result.returncode == 0, result.stderr
+    splits = hash_split(relpaths, 0.5)
+    for split in ("train", "val"):
+        labels = read_images(out, split)[1]
+        assert labels == [int(relpath[1:3]) for relpath in splits[split]]
+    assert set(read_images(out, "train")[1]) == set(range(40)) and "warning" not in result.stderr
+    # the same images as rows of one Parquet file
+    pq.write_table(pa.table({"image": [{"bytes": (folder / relpath).read_bytes(), "path": relpath}
+                                       for relpath in relpaths],
+                             "label": [relpath[:3] for relpath in relpaths]}),
+                   tmp_path / "t.parquet")
+    rows = build_folder(tmp_path / "t.parquet", tmp_path / "rows", "--val-fraction", 0.5)
+    assert rows.returncode == 0, rows.stderr
+    assert set(read_images(tmp_path / "rows", "train")[1]) == set(range(40))
+
+
+def test_images_a_class_without_training_images_is_a_warning_that_names_it(tmp_path):
+    folder, out = tmp_path / "folder", tmp_path / "out"
+    make_image_folder(folder, per_class=(50, 3))
+    (folder / "train" / "bird").mkdir()
+    (folder / "train" / "bird" / "0.jpg").write_bytes(b"\xff\xd8\xff\xe0 cut short")  # 1 of 101
+    (folder / "val" / "bird").mkdir()
+    Image.new("RGB", (20, 20)).save(folder / "val" / "bird" / "0.png")
+    result = build_folder(folder, out)
+    assert result.returncode == 0, result.stderr
+    assert "warning: 1 of 3 classes have no image in the train split, so the model cannot learn " \
+        "them: bird -> " in result.stderr
 
 
 def test_images_with_an_empty_val_split_suggest_a_val_fraction_that_fills_it(tmp_path):
