@@ -779,9 +779,10 @@ def shell_word(path):
 
 
 def split_word(relpath):
+    """The split a file or folder name says, by its last word that is one (data/train-0.parquet)."""
     import re
     words = re.split(r"[^a-z]+", relpath.lower())
-    return next((SPLIT_WORDS[word] for word in words if word in SPLIT_WORDS), None)
+    return next((SPLIT_WORDS[word] for word in reversed(words) if word in SPLIT_WORDS), None)
 
 
 def split_folders(root):
@@ -1010,24 +1011,40 @@ def table_source(root, relpaths):
         die(f"{labels.null_count:,} rows have no label in {root} -> drop them first")
     if pa.types.is_integer(label_type):
         lowest, highest = pc.min(labels).as_py(), pc.max(labels).as_py()
-        classes = class_names(schema, label_column) or [str(label) for label in range(highest + 1)]
+        names = class_names(schema, label_column)
         if lowest < 0:
             die(f"{pc.sum(pc.less(labels, 0)).as_py():,} rows in {root} have a negative label, "
                 f"e.g. {lowest} (HF's mark of no label) -> drop them, or pass only labelled splits")
-        if highest >= len(classes):
-            die(f"label {highest} in {root} has no name among the {len(classes)} class names in "
+        if any(class_names(other, label_column) != names for _, _, other in tables[1:]):
+            die(f"the files in {root} name the classes differently in their metadata "
+                "-> pass the files of one version of one dataset")
+        if names is None:  # no names: the ids that occur are the classes, named by their ids
+            ids = sorted(pc.unique(labels).to_pylist())
+            classes, label_of = [str(i) for i in ids], {i: label for label, i in enumerate(ids)}
+            if ids != list(range(len(ids))):
+                print(f"note: the labels in {root} have no names, and not all of 0 to {highest} "
+                      f"occur: the {len(ids)} that do are the classes, named by their ids")
+        elif highest >= len(names):
+            die(f"label {highest} in {root} has no name among the {len(names)} class names in "
                 "the files' metadata -> fix the names or the labels")
-        label_of = {label: label for label in range(len(classes))}
+        else:
+            classes, label_of = names, {label: label for label in range(len(names))}
     else:
         classes = sorted(pc.unique(labels).to_pylist())
         label_of = {name: label for label, name in enumerate(classes)}
+        note_similar_names(classes, "labels")
     counts = np.bincount([label_of[label] for label in labels.to_pylist()],
                          minlength=len(classes))
     if not counts.all():
         die(f"class {classes[int(np.argmin(counts))]!r} has no images in {root} "
             f"({int((counts == 0).sum())} such classes) -> drop it from the class names")
-    if val_word == "val" and "test" in words:
-        print("note: the test files are left out: validation files give the val split")
+    if val_word:
+        unnamed = [shown(relpath) for (_, relpath, _), word in zip(tables, words) if word is None]
+        print("note: splits from file names: " + ", ".join(
+            (["train files -> train"] if "train" in words else []) + [f"{val_word} files -> val"]
+            + ([f"{len(unnamed)} with no split in the name ({', '.join(unnamed[:3])}) -> train"]
+               if unnamed else []))
+              + ("; test files left out" if val_word == "val" and "test" in words else ""))
     identity = [[str(path.resolve()), path.stat().st_size, path.stat().st_mtime_ns]
                 for path, _, _ in used]
     suffixes = "/".join(sorted({path.suffix for path, _, _ in used}))

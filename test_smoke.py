@@ -953,6 +953,15 @@ def bad_images_args(case, tmp_path):
     if case == "parquet_labels_of_minus_1":  # HF's test splits often are unlabelled
         pq.write_table(pa.table({"image": image_rows, "label": [-1] * 4}), tmp_path / "t.parquet")
         return ["--images", tmp_path / "t.parquet"]
+    if case == "parquet_files_that_name_the_classes_differently":
+        (tmp_path / "hub").mkdir()
+        for split, names in (("train", ["cat", "dog"]), ("validation", ["dog", "cat"])):
+            features = {"label": {"names": names, "_type": "ClassLabel"}}
+            table = pa.table({"image": image_rows, "label": [0, 1] * 2})
+            pq.write_table(table.replace_schema_metadata(
+                {"huggingface": json.dumps({"info": {"features": features}})}),
+                tmp_path / "hub" / f"{split}-00000-of-00001.parquet")
+        return ["--images", tmp_path / "hub"]
     if case == "image_size_0":
         return ["--images", "--image-size", 0]
     if case == "image_size_3":
@@ -990,6 +999,7 @@ def bad_images_args(case, tmp_path):
     ("folders_named_as_splits_that_hold_images", "(Testing, Training) are named as splits"),
     ("an_out_inside_the_images", "lies inside --images"),
     ("an_empty_images_path", '--images "" is an empty path'),
+    ("parquet_files_that_name_the_classes_differently", "name the classes differently"),
     ("parquet_without_label_column", "has no label column"),
     ("parquet_labels_of_floats", "not integers or strings"),
     ("parquet_labels_of_minus_1", "negative label"),
@@ -1255,6 +1265,45 @@ def test_images_one_folder_above_the_class_folders_is_an_error_whose_images_path
     result = build_folder(images, out)
     assert result.returncode == 0, result.stderr
     assert json.loads((out / "meta.json").read_text())["classes"] == IMAGE_CLASSES
+
+
+def hf_table(labels, names=None):
+    png = io.BytesIO()
+    Image.new("RGB", (20, 20)).save(png, format="PNG")
+    table = pa.table({"image": [{"bytes": png.getvalue(), "path": "a.png"}] * len(labels),
+                      "label": labels})
+    if names is None:
+        return table
+    features = {"label": {"names": names, "_type": "ClassLabel"}}
+    return table.replace_schema_metadata(
+        {"huggingface": json.dumps({"info": {"features": features}})})
+
+
+def test_images_from_parquet_ids_without_names_are_the_ids_that_occur(tmp_path):
+    pq.write_table(hf_table([1, 2, 3, 2] * 3), tmp_path / "t.parquet")
+    result = build_folder(tmp_path / "t.parquet", tmp_path / "out", "--val-fraction", 0.3)
+    assert result.returncode == 0, result.stderr
+    assert json.loads((tmp_path / "out" / "meta.json").read_text())["classes"] == ["1", "2", "3"]
+    keys = [f"t.parquet:{row}" for row in range(12)]
+    train = [label for key, label in zip(keys, [0, 1, 2, 1] * 3) if not in_val(key, 0.3)]
+    assert read_images(tmp_path / "out", "train")[1] == train
+    assert "the 3 that do are the classes, named by their ids" in result.stdout
+
+
+def test_images_from_hf_files_take_the_split_from_the_file_name_and_say_where_each_went(tmp_path):
+    """Named by the word nearest the file (test_run/ is no split), a file of no split trains."""
+    (tmp_path / "hub" / "test_run").mkdir(parents=True)
+    for name, rows in (("test_run/train", 5), ("test_run/validation", 3), ("extra", 2),
+                       ("test_run/test", 4)):
+        pq.write_table(hf_table([0, 1] * rows, ["cat", "dog"]),
+                       tmp_path / "hub" / f"{name}-00000-of-00001.parquet")
+    result = build_folder(tmp_path / "hub", tmp_path / "out")
+    assert result.returncode == 0, result.stderr
+    assert note_lines(result, "note: splits") == [
+        "note: splits from file names: train files -> train, val files -> val, 1 with no split in "
+        "the name (extra-00000-of-00001.parquet) -> train; test files left out"]
+    meta = json.loads((tmp_path / "out" / "meta.json").read_text())
+    assert (meta["splits"]["train"]["images"], meta["splits"]["val"]["images"]) == (14, 6)
 
 
 def test_images_without_out_suggest_an_out_that_works_and_lies_outside_the_images(tmp_path):
