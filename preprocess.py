@@ -747,19 +747,24 @@ def path_source(given):
     suffixes = [os.path.splitext(relpath)[1].lower() for relpath, _, _ in found]
     tables = [relpath for (relpath, _, _), suffix in zip(found, suffixes)
               if suffix in COLUMNAR_SUFFIXES]
-    if tables and not set(suffixes) & image_suffixes():
+    image_names = image_suffixes(suffixes)
+    if tables and not image_names:
         return table_source(given, sorted(tables))
     if all(suffix in NOT_IMAGE_SUFFIXES for suffix in suffixes):
         die(f"no images and no Parquet/Arrow files in {shown(given)} -> pass a folder with one "
             "sub-folder of images per class, or Hugging Face Parquet files")
-    return folder_source(given, trees, found, passed_over, note)
+    return folder_source(given, trees, found, passed_over, note, image_names)
 
 
-def image_suffixes():
-    """The names of the formats Pillow opens (.jpg, .png, .jfif, .avif, .ppm, ...)."""
+def image_suffixes(suffixes):
+    """Those of these names that Pillow opens (.jpg, .png, .jfif, .avif, .ppm, ...)."""
+    suffixes = set(suffixes) - NOT_IMAGE_SUFFIXES
+    # these need no import of Pillow's plugins, which takes longer than reading the folder
+    if suffixes <= {".jpg", ".jpeg", ".png"}:
+        return suffixes
     from PIL import Image
-    return {suffix for suffix, name in Image.registered_extensions().items()
-            if name in Image.OPEN} - NOT_IMAGE_SUFFIXES
+    formats = Image.registered_extensions()  # also of formats Pillow only writes (.pdf)
+    return {suffix for suffix in suffixes if formats.get(suffix) in Image.OPEN}
 
 
 def is_hidden(name):
@@ -898,7 +903,7 @@ def class_folders(class_root):
     return classes
 
 
-def folder_source(root, trees, found, passed_over, note):
+def folder_source(root, trees, found, passed_over, note, image_names):
     """An image folder: class = the sub-folder (of the train tree, if there is one), sorted by name;
     a file Pillow may read whatever its name, each file once: of two paths to it (links) the first,
     a real one before a link. The split is the tree's, else a hash of each path."""
@@ -907,8 +912,7 @@ def folder_source(root, trees, found, passed_over, note):
     class_root = root / first_tree
     classes = class_folders(class_root)
     label_of = {name: label for label, name in enumerate(classes)}
-    image_names, readers = image_suffixes(), {}
-    items, tried, counts = [], set(), Counter()
+    items, tried, counts, readers = [], set(), Counter(), {}
     for relpath, stat, _ in sorted(found, key=lambda file: (file[2], file[0])):
         tree = next(tree for tree in trees if relpath.startswith(tree))
         parts = relpath[len(tree):].split("/")
