@@ -920,12 +920,12 @@ def folder_source(root, trees, found, passed_over, note, image_names):
         if len(parts) < 2:  # a loose file beside the class folders
             passed_over.append(("outside the class folders", relpath))
             continue
-        if parts[0] not in label_of:
-            die(f"{shown(root / tree / parts[0])} is no class of {shown(class_root)} -> give every "
-                f"class a folder in {shown(class_root)}, or move this one out")
         if suffix in NOT_IMAGE_SUFFIXES:
             passed_over.append(("not an image", relpath))
             continue
+        if parts[0] not in label_of:
+            die(f"{shown(root / tree / parts[0])} is no class of {shown(class_root)} -> give every "
+                f"class a folder in {shown(class_root)}, or move this one out")
         identity = (stat.st_dev, stat.st_ino) if stat else relpath
         if identity in readers:  # a link to a file read already, or a hard link
             passed_over.append(("second path", relpath))
