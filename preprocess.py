@@ -1063,14 +1063,17 @@ def table_source(root, relpaths):
 
 
 def find_image_column(schema):
-    """By type, a struct with bytes (HF's Image feature); else image/img or the only binary one."""
+    """By type, a struct with bytes (HF's Image feature), else binary; of several, image or img
+    (a segmentation set's mask is an Image too), else none."""
+    structs = [field.name for field in schema
+               if pa.types.is_struct(field.type) and field.type.get_field_index("bytes") >= 0]
     binary = [field.name for field in schema if pa.types.is_binary(field.type)
               or pa.types.is_large_binary(field.type)]
-    for field in schema:
-        if pa.types.is_struct(field.type) and field.type.get_field_index("bytes") >= 0:
-            return field.name
-    named = [name for name in ("image", "img") if name in binary]
-    return named[0] if named else binary[0] if len(binary) == 1 else None
+    for names in (structs, binary):
+        if names:
+            named = [name for name in ("image", "img") if name in names]
+            return named[0] if named else names[0] if len(names) == 1 else None
+    return None
 
 
 def class_names(schema, label_column):

@@ -1290,6 +1290,20 @@ def test_images_from_parquet_ids_without_names_are_the_ids_that_occur(tmp_path):
     assert "the 3 that do are the classes, named by their ids" in result.stdout
 
 
+def test_images_from_hf_files_take_the_image_column_of_several_by_its_name(tmp_path):
+    """A segmentation set's mask is an Image feature too, and may stand first."""
+    table = hf_table([0, 1] * 4)
+    png = io.BytesIO()
+    Image.new("L", (20, 20), 255).save(png, format="PNG")
+    masks = pa.array([{"bytes": png.getvalue(), "path": "m.png"}] * 8,
+                     table.schema.field("image").type)
+    pq.write_table(pa.table({"mask": masks, "image": table.column("image"),
+                             "label": table.column("label")}), tmp_path / "t.parquet")
+    result = build_folder(tmp_path / "t.parquet", tmp_path / "out")
+    assert result.returncode == 0, result.stderr
+    assert not read_images(tmp_path / "out", "train")[0].any()  # the black images, not the masks
+
+
 def test_images_from_hf_files_take_the_split_from_the_file_name_and_say_where_each_went(tmp_path):
     """Named by the word nearest the file (test_run/ is no split), a file of no split trains."""
     (tmp_path / "hub" / "test_run").mkdir(parents=True)
