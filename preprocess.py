@@ -759,7 +759,8 @@ def path_source(given):
 def image_suffixes(suffixes):
     """Those of these names that Pillow opens (.jpg, .png, .jfif, .avif, .ppm, ...)."""
     suffixes = set(suffixes) - NOT_IMAGE_SUFFIXES
-    # these need no import of Pillow's plugins, which takes longer than reading the folder
+    # the usual names need no answer from Pillow: importing its plugins takes longer than
+    # listing a few thousand files
     if suffixes <= {".jpg", ".jpeg", ".png"}:
         return suffixes
     from PIL import Image
@@ -768,7 +769,7 @@ def image_suffixes(suffixes):
 
 
 def is_hidden(name):
-    return name.startswith(".") or name == "__MACOSX"  # macOS's zips: a ._ file for every file
+    return name.startswith(".") or name == "__MACOSX"  # where macOS's zips keep ._ files
 
 
 def shown(text):
