@@ -605,7 +605,12 @@ def main():
 # or Arrow files, or without a source scikit-learn's handwritten digits. Read build_images() first.
 # Delete this block and the lines tagged # images: the text path stays.
 
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")
+# names of files that are no image, never opened (of these, Pillow's stubs would claim
+# .mpg/.mpeg videos and .h5/.hdf files, and decode none)
+NOT_IMAGE_SUFFIXES = {".txt", ".md", ".json", ".jsonl", ".csv", ".tsv", ".xml", ".yaml", ".yml",
+                      ".html", ".pdf", ".py", ".ipynb", ".log", ".ini", ".db", ".zip", ".tar",
+                      ".gz", ".7z", ".npy", ".npz", ".pt", ".pth", ".pkl", ".mat", ".h5", ".hdf",
+                      ".parquet", ".arrow", ".mp4", ".mov", ".avi", ".mpg", ".mpeg", ".mp3", ".wav"}
 IMAGE_DEFAULTS = {"image_size": 224, "val_fraction": 0.1, "workers": None}
 # one worker: 1,797 tiny images decode in less time than a pool takes to start
 DIGITS_DEFAULTS = {"out": "data/digits", "image_size": 32, "val_fraction": 0.2, "workers": 1}
@@ -615,11 +620,13 @@ SHARD_IMAGES, SHARD_BYTES = 4096, 256_000_000
 # the version of to_rgb's rules, in the fingerprint: output of older rules needs --force
 PIXEL_CONVERSION = 2
 # how a file or folder name says its split (HF: train-00000-of-00001.parquet, validation/...)
-SPLIT_WORDS = {"train": "train", "val": "val", "valid": "val", "validation": "val", "test": "test"}
+SPLIT_WORDS = {"train": "train", "training": "train", "val": "val", "valid": "val",
+               "validation": "val", "test": "test", "testing": "test"}
 
 
 def add_image_options(add):
-    add("--images", nargs="?", const="", metavar="SOURCE",
+    # --images alone is True, the digits: --images "" (an unset shell variable) is a mistake
+    add("--images", nargs="?", const=True, metavar="SOURCE",
         help="images instead of text: a folder of class sub-folders, Parquet/Arrow files in "
              "Hugging Face's layout, or nothing for scikit-learn's digits (into data/digits)")
     add("--image-size", type=int, metavar="N",
@@ -650,23 +657,33 @@ def build_images(args):
         import PIL  # noqa: F401  (here, so that the text path runs without it)
     except ImportError:
         die("Pillow is not installed -> pip install Pillow")
-    digits = not args.images
+    if args.images == "":
+        die('--images "" is an empty path (an unset shell variable?) -> pass a folder or file, or '
+            "--images with nothing after it for scikit-learn's digits")
+    digits = args.images is True
     defaults = DIGITS_DEFAULTS if digits else IMAGE_DEFAULTS
     size = args.image_size if args.image_size is not None else defaults["image_size"]
     val_fraction = (args.val_fraction if args.val_fraction is not None
                     else defaults["val_fraction"])
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     workers = next(k for k in (args.workers, defaults["workers"], cpus) if k is not None)
-    if not 1 <= size <= MAX_IMAGE_SIZE:
-        die(f"--image-size {size} is not between 1 and {MAX_IMAGE_SIZE} "
-            "-> pass e.g. --image-size 224")
+    if not 4 <= size <= MAX_IMAGE_SIZE:
+        die(f"--image-size {size} is not between 4 and {MAX_IMAGE_SIZE} (a ViT needs 4 x 4 patches "
+            "of at least one pixel) -> pass e.g. --image-size 224")
     if workers < 1:
         die(f"--workers {workers} is not positive -> pass e.g. --workers {cpus}, or leave it out")
     if not 0 <= val_fraction <= 1:
         die(f"val fraction {val_fraction} is not between 0 and 1 -> pass e.g. --val-fraction 0.1")
     if not digits and not args.out:
-        die(f"--images {args.images} needs --out -> pass e.g. --out data/{Path(args.images).name}")
+        given = Path(args.images).resolve()  # resolved, --images . has a name
+        suggestion = Path("data", (given.stem if given.is_file() else given.name) or "images")
+        if Path.cwd().resolve().is_relative_to(given):  # from inside the images: beside them
+            suggestion = Path(os.path.relpath(given.parent / suggestion))
+        die(f"--images {args.images} needs --out -> pass e.g. --out {suggestion}")
     out = Path(args.out or DIGITS_DEFAULTS["out"])
+    if not digits and out.resolve().is_relative_to(Path(args.images).resolve()):
+        die(f"--out {out} lies inside --images {args.images}, where a rerun would read it as "
+            "images -> pass an --out outside it")
     source = digits_source() if digits else path_source(Path(args.images))
     if len(source["classes"]) < 2:  # a classifier with one class learns nothing
         die(f"{source['description']}: one class only ({source['classes'][0]}) -> give it two or "
@@ -679,7 +696,7 @@ def build_images(args):
                        **options}, sort_keys=True)
     input_fingerprint = hashlib.sha256(blob.encode()).hexdigest()
     if is_up_to_date(out, input_fingerprint, args.force):
-        print(f"{out} is up to date (same inputs); --force to rebuild")
+        print(f"{shown(out)} is up to date (same inputs); --force to rebuild")
         return
 
     remove_leftovers(out)
@@ -705,16 +722,19 @@ def build_images(args):
 
     splits = result["splits"]
     images = splits["train"]["images"] + splits["val"]["images"]
-    print(f"{out}: {splits['train']['images']:,} train / {splits['val']['images']:,} val images "
-          f"of {size}x{size}, {len(source['classes'])} classes, in {seconds:.1f} s "
+    print(f"{shown(out)}: {splits['train']['images']:,} train / {splits['val']['images']:,} val "
+          f"images of {size}x{size}, {len(source['classes'])} classes, in {seconds:.1f} s "
           f"({images / max(seconds, 1e-9):.0f} images/s, {workers} worker{'s' * (workers > 1)})")
     if splits["val"]["images"] == 0:
         print("warning: the val split is empty: no images to measure a validation accuracy on -> "
               + ("add images to the source's val split" if source["split_given"]
-                 else f"raise --val-fraction (now {val_fraction}), e.g. to 0.1"), file=sys.stderr)
+                 else f"raise --val-fraction (now {val_fraction})"
+                 + (", e.g. to 0.1" if val_fraction < 0.1 else ", or give it more images")),
+              file=sys.stderr)
 
 
 # ---- images: the sources, each a dict whose items are (key, label, split or None, what to decode)
+# (to_split: the (key, label) of items without a split; tried, passed_over: for the note of skips)
 
 def path_source(given):
     if given.is_file():
@@ -724,79 +744,229 @@ def path_source(given):
         return table_source(given.parent, [given.name])
     if not given.is_dir():
         die(f"input {given} does not exist -> check the path")
-    found = files_under(given, IMAGE_SUFFIXES + COLUMNAR_SUFFIXES)
-    images = [relpath for relpath in found if relpath.lower().endswith(IMAGE_SUFFIXES)]
-    if images:
-        return folder_source(given, images)
-    if found:
-        return table_source(given, found)
-    die(f"no images ({' '.join(IMAGE_SUFFIXES)}) and no Parquet/Arrow files in {given} -> pass a "
-        "folder with one sub-folder of images per class, or Hugging Face Parquet files")
+    trees, note = split_folders(given)
+    found, passed_over = files_under(given, trees)
+    suffixes = [os.path.splitext(relpath)[1].lower() for relpath, _, _ in found]
+    tables = [relpath for (relpath, _, _), suffix in zip(found, suffixes)
+              if suffix in COLUMNAR_SUFFIXES]
+    image_names = image_suffixes(suffixes)
+    if tables and not image_names:
+        return table_source(given, sorted(tables))
+    if all(suffix in NOT_IMAGE_SUFFIXES for suffix in suffixes):
+        die(f"no images and no Parquet/Arrow files in {shown(given)} -> pass a folder with one "
+            "sub-folder of images per class, or Hugging Face Parquet files")
+    return folder_source(given, trees, found, passed_over, note, image_names)
 
 
-def files_under(root, suffixes):
-    """Paths relative to root of the files with these suffixes, sorted; hidden parts skipped (so
-    .ipynb_checkpoints is no class), links followed (a dataset is often a tree of links)."""
-    found = []
-    for directory, subdirectories, names in os.walk(root, followlinks=True):
-        subdirectories[:] = [name for name in subdirectories if not name.startswith(".")]
-        relative = Path(directory).relative_to(root).as_posix()
-        prefix = "" if relative == "." else relative + "/"
-        found += [prefix + name for name in names
-                  if not name.startswith(".") and name.lower().endswith(suffixes)]
-    return sorted(found)
+def image_suffixes(suffixes):
+    """Those of these names that Pillow opens (.jpg, .png, .jfif, .avif, .ppm, ...)."""
+    suffixes = set(suffixes) - NOT_IMAGE_SUFFIXES
+    # the usual names need no answer from Pillow: importing its plugins takes longer than
+    # listing a few thousand files
+    if suffixes <= {".jpg", ".jpeg", ".png"}:
+        return suffixes
+    from PIL import Image
+    formats = Image.registered_extensions()  # also of formats Pillow only writes (.pdf)
+    return {suffix for suffix in suffixes if formats.get(suffix) in Image.OPEN}
 
 
-def folder_source(root, relpaths):
-    """An image folder: class = the sub-folder (under train/ if there is one), sorted by name; a
-    train/ beside val/ (or validation/, test/) gives the split, else a hash of each path does."""
-    folders = {p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")}
-    val_name = next((name for name in ("val", "validation", "test") if name in folders), None)
-    if "train" in folders and val_name:
-        trees = {"train/": "train", f"{val_name}/": "val"}
-    else:
-        trees = {"train/" if "train" in folders else "": None}
-    class_root = root / next(iter(trees))
-    classes = sorted(p.name for p in class_root.iterdir()
-                     if p.is_dir() and not p.name.startswith("."))
-    if not classes:
-        die(f"{class_root} has no class sub-folders -> put each class's images in a folder named "
-            f"after it: {class_root / 'CLASS' / 'IMAGE.jpg'}")
-    label_of = {name: label for label, name in enumerate(classes)}
-    items, counts = [], Counter()
-    for relpath in relpaths:
-        tree = next((tree for tree in trees if relpath.startswith(tree)), None)
-        parts = relpath[len(tree):].split("/") if tree is not None else []
-        if len(parts) < 2:  # a loose file beside the class folders, or under test/ beside val/
-            continue
-        if parts[0] not in label_of:
-            die(f"{root / tree / parts[0]} is no class of {class_root} -> give every class a "
-                f"folder in {class_root}, or move this one out")
-        items.append((relpath, label_of[parts[0]], trees[tree], str(root / relpath)))
-        counts[parts[0]] += relpath.startswith(next(iter(trees)))
-    empty = [name for name in classes if not counts[name]]
-    if empty:
-        die(f"class folder {class_root / empty[0]} holds no images ({' '.join(IMAGE_SUFFIXES)})"
-            + (f", nor do {len(empty) - 1} more" if len(empty) > 1 else "")
-            + " -> add images to it, or remove it")
-    # the files' sizes and times: a changed image makes a rebuild, as in the text path
-    digest = hashlib.sha256(str(root.resolve()).encode())
-    for relpath, _, _, path in items:
-        try:
-            stat = os.stat(path)
-            digest.update(f"{relpath}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
-        except OSError:  # a broken link: skipped and counted when it fails to decode
-            digest.update(f"{relpath}\0unreadable\n".encode())
-    return {"classes": classes, "items": items, "total": len(items),
-            "split_given": " and ".join(trees) if len(trees) == 2 else None,
-            "identity": digest.hexdigest(),
-            "description": f"{root}: image folder, {len(items):,} images in {len(classes)} classes"}
+def is_hidden(name):
+    return name.startswith(".") or name == "__MACOSX"  # where macOS's zips keep ._ files
+
+
+def shown(text):
+    """A name for print and meta.json: a byte that is not UTF-8 (a zip made on Windows) as \\xe9."""
+    return os.fsencode(text).decode(errors="backslashreplace")
+
+
+def shell_word(path):
+    """path in bash's $'...' quotes, each byte that is not printable ASCII as \\xe9: bash reads
+    back the very bytes."""
+    return "$'" + "".join(chr(byte) if 32 <= byte < 127 and byte not in b"'\\"
+                          else f"\\x{byte:02x}" for byte in os.fsencode(path)) + "'"
 
 
 def split_word(relpath):
+    """The split a file or folder name says, by its last word that is one (data/train-0.parquet)."""
     import re
     words = re.split(r"[^a-z]+", relpath.lower())
-    return next((SPLIT_WORDS[word] for word in words if word in SPLIT_WORDS), None)
+    return next((SPLIT_WORDS[word] for word in reversed(words) if word in SPLIT_WORDS), None)
+
+
+def split_folders(root):
+    """The trees that hold the class folders, each with its split: train/ and a validation folder
+    (val/, valid/, validation/, else test/), train/ alone (then a hash splits it), or root itself;
+    and the note that says which folders became which split."""
+    folders = sorted(entry.name for entry in os.scandir(root)
+                     if entry.is_dir() and not is_hidden(entry.name))
+    # a split folder holds class folders; a class folder named train (CIFAR-100's) holds images
+    words = {name: split_word(name) for name in folders
+             if split_word(name) and holds_folders(root / name)}
+    if not words:
+        if len(folders) > 1 and all(split_word(name) for name in folders):
+            die(f"the folders in {shown(root)} ({', '.join(map(shown, folders))}) are named as "
+                "splits, not classes -> put each class's images in a folder of its own: "
+                f"{shown(root / folders[0] / 'CLASS' / 'IMAGE.jpg')}")
+        return {"": None}, None
+    named = {split: [name for name in words if words[name] == split]
+             for split in ("train", "val", "test")}
+    if not named["train"]:
+        first = next(iter(words))
+        die(f"{shown(root / first)} holds folders and is named as a {words[first]} split, but "
+            f"{shown(root)} has no train folder beside it -> put the training images in "
+            f"{shown(root / 'train' / 'CLASS')}/, or pass a folder of class folders")
+    if len(named["train"]) > 1:
+        die(f"{' and '.join(map(shown, named['train']))} in {shown(root)} are both named as the "
+            "train split -> keep one, or move the other out")
+    train, val = named["train"][0], (named["val"] or named["test"] or [None])[0]
+    trees = {f"{train}/": "train", f"{val}/": "val"} if val else {f"{train}/": None}
+    left_out = [f"{shown(name)}/" for name in folders if name not in (train, val)]
+    given = (f"{shown(train)}/ -> train, {shown(val)}/ -> val" if val
+             else f"{shown(train)}/ -> train and val (by a hash of each path)")
+    return trees, (f"note: splits from folders: {given}"
+                   + (f"; {', '.join(left_out)} left out" if left_out else ""))
+
+
+def holds_folders(path):
+    with os.scandir(path) as entries:
+        return any(entry.is_dir() for entry in entries)
+
+
+def files_under(root, trees):
+    """The files in root's trees as (relpath, os.stat_result or None for a broken link, whether a
+    link led to it), and what was passed over as (kind, relpath). Links are followed (a dataset is
+    often a tree of links), but real folders before the links found in them, those before the links
+    found behind them, and each folder once: a loop or a second name cannot repeat its files."""
+    found, passed_over, read = [], [], set()
+    pending = [(tree, os.path.join(root, tree), False) for tree in trees]
+    while pending:
+        relative, path, linked = pending.pop(0)
+        folders = [(relative, path, os.path.realpath(path))]
+        while folders:
+            relative, path, real = folders.pop()
+            if real in read:
+                passed_over.append(("second path", relative))
+                continue
+            read.add(real)
+            try:
+                entries = sorted(os.scandir(path), key=lambda entry: entry.name)
+            except OSError as error:
+                die(f"cannot read {shown(path)}: {error.strerror} -> make it readable, or move it "
+                    f"out of {shown(root)}")
+            for entry in entries:
+                relpath = relative + entry.name
+                if is_hidden(entry.name):
+                    passed_over.append(("hidden", relpath + "/" * entry.is_dir()))
+                elif not entry.is_dir():
+                    try:
+                        stat = entry.stat()
+                    except OSError:  # a broken link: it fails to decode, and is counted
+                        stat = None
+                    found.append((relpath, stat, linked or entry.is_symlink()))
+                elif not entry.is_symlink():
+                    folders.append((relpath + "/", entry.path, os.path.join(real, entry.name)))
+                else:
+                    target = os.path.realpath(entry.path)
+                    if os.path.commonpath([real, target]) == target:  # a folder above: a loop
+                        passed_over.append(("second path", relpath + "/"))
+                    else:
+                        pending.append((relpath + "/", entry.path, True))
+    return found, passed_over
+
+
+def note_similar_names(names, what):
+    """A note on names that differ only in case or in how an accent is encoded: distinct classes
+    that a reader, and a Windows or macOS disk, may take for one."""
+    import unicodedata
+    folded = Counter(unicodedata.normalize("NFC", name).casefold() for name in names)
+    similar = [name for name in names
+               if folded[unicodedata.normalize("NFC", name).casefold()] > 1]
+    if similar:
+        print(f"note: {what} {', '.join(map(shown, similar))} differ only in case (or in how an "
+              "accent is encoded): they are distinct classes")
+
+
+def class_folders(class_root):
+    """The names of the class folders, sorted; each must be text, as meta.json holds them."""
+    import shlex
+    classes = sorted(entry.name for entry in os.scandir(class_root)
+                     if entry.is_dir() and not is_hidden(entry.name))
+    if not classes:
+        die(f"{shown(class_root)} has no class sub-folders -> put each class's images in a folder "
+            f"named after it: {shown(class_root / 'CLASS' / 'IMAGE.jpg')}")
+    for name in classes:
+        try:
+            name.encode()
+        except UnicodeEncodeError:
+            path = class_root / name
+            guess = class_root / os.fsencode(name).decode("cp1252", errors="replace")
+            die(f"class folder {shown(path)} has a name that is not UTF-8 (a zip made on "
+                f"Windows?), so it cannot name a class -> rename it, e.g. mv {shell_word(path)} "
+                f"{shlex.quote(str(guess))}")
+    return classes
+
+
+def folder_source(root, trees, found, passed_over, note, image_names):
+    """An image folder: class = the sub-folder (of the train tree, if there is one), sorted by name;
+    a file Pillow may read whatever its name, each file once: of two paths to it (links) the first,
+    a real one before a link. The split is the tree's, else a hash of each path."""
+    import shlex
+    first_tree = next(iter(trees))
+    class_root = root / first_tree
+    classes = class_folders(class_root)
+    label_of = {name: label for label, name in enumerate(classes)}
+    items, tried, counts, readers = [], set(), Counter(), {}
+    for relpath, stat, _ in sorted(found, key=lambda file: (file[2], file[0])):
+        tree = next(tree for tree in trees if relpath.startswith(tree))
+        parts = relpath[len(tree):].split("/")
+        suffix = os.path.splitext(relpath)[1].lower()
+        if len(parts) < 2:  # a loose file beside the class folders
+            passed_over.append(("outside the class folders", relpath))
+            continue
+        if suffix in NOT_IMAGE_SUFFIXES:
+            passed_over.append(("not an image", relpath))
+            continue
+        if parts[0] not in label_of:
+            die(f"{shown(root / tree / parts[0])} is no class of {shown(class_root)} -> give every "
+                f"class a folder in {shown(class_root)}, or move this one out")
+        identity = (stat.st_dev, stat.st_ino) if stat else relpath
+        if identity in readers:  # a link to a file read already, or a hard link
+            passed_over.append(("second path", relpath))
+            continue
+        readers[identity] = relpath
+        if suffix not in image_names:  # Pillow may still read it (no extension, .jpg_large)
+            tried.add(relpath)
+        items.append((relpath, label_of[parts[0]], trees[tree], str(root / relpath), stat))
+        counts[parts[0]] += tree == first_tree
+    items.sort()
+    empty = [name for name in classes if not counts[name]]
+    if empty:
+        folder = class_root / empty[0]
+        is_link = ("second path", f"{folder.relative_to(root).as_posix()}/") in passed_over
+        die(f"class folder {shown(folder)} "
+            + ("is a link to a folder read already, as another class or within one"
+               if is_link else "holds no images")
+            + (f", nor do {len(empty) - 1} more" if len(empty) > 1 else "")
+            + (" -> remove the link, or make the folder a copy" if is_link
+               else " -> add images to it, or remove it"))
+    if len(classes) == 1 and all(relpath[len(first_tree):].count("/") > 1  # a folder too high
+                                 for relpath, *_ in items if relpath.startswith(first_tree)):
+        die(f"{shown(class_root)} holds one class folder, {shown(classes[0])}, and its images lie "
+            "in sub-folders -> pass --images " + shlex.quote(shown(class_root / classes[0])))
+    note_similar_names(classes, "class folders")
+    if note:
+        print(note)
+    # the files' sizes and times: a changed image makes a rebuild, as in the text path
+    digest = hashlib.sha256(os.fsencode(root.resolve()))
+    for relpath, _, _, _, stat in items:
+        digest.update(os.fsencode(relpath) + (f"\0{stat.st_size}\0{stat.st_mtime_ns}\n" if stat
+                                              else "\0unreadable\n").encode())
+    return {"classes": classes, "items": [item[:4] for item in items], "total": len(items),
+            "split_given": " and ".join(trees) if len(trees) == 2 else None,
+            "identity": digest.hexdigest(), "tried": tried, "passed_over": passed_over,
+            "to_split": [(key, label) for key, label, split, *_ in items if split is None],
+            "description": f"{shown(root)}: image folder, {len(items):,} images in "
+                           f"{len(classes)} classes"}
 
 
 def table_source(root, relpaths):
@@ -840,50 +1010,73 @@ def table_source(root, relpaths):
     used = [(path, relpath, ("val" if word == val_word else "train") if val_word else None)
             for (path, relpath, _), word in zip(tables, words)
             if word not in ("val", "test") or word == val_word]
-    labels = pa.chunked_array([read_column(path, label_column) for path, _, _ in used], label_type)
+    columns = [read_column(path, label_column) for path, _, _ in used]
+    labels = pa.chunked_array(columns, label_type)
     if len(labels) == 0:
         die(f"the files in {root} have no rows -> pass files that hold images")
     if labels.null_count:
         die(f"{labels.null_count:,} rows have no label in {root} -> drop them first")
     if pa.types.is_integer(label_type):
         lowest, highest = pc.min(labels).as_py(), pc.max(labels).as_py()
-        classes = class_names(schema, label_column) or [str(label) for label in range(highest + 1)]
+        names = class_names(schema, label_column)
         if lowest < 0:
             die(f"{pc.sum(pc.less(labels, 0)).as_py():,} rows in {root} have a negative label, "
                 f"e.g. {lowest} (HF's mark of no label) -> drop them, or pass only labelled splits")
-        if highest >= len(classes):
-            die(f"label {highest} in {root} has no name among the {len(classes)} class names in "
+        if any(class_names(other, label_column) != names for _, _, other in tables[1:]):
+            die(f"the files in {root} name the classes differently in their metadata "
+                "-> pass the files of one version of one dataset")
+        if names is None:  # no names: the ids that occur are the classes, named by their ids
+            ids = sorted(pc.unique(labels).to_pylist())
+            classes, label_of = [str(i) for i in ids], {i: label for label, i in enumerate(ids)}
+            if ids != list(range(len(ids))):
+                print(f"note: the labels in {root} have no names, and not all of 0 to {highest} "
+                      f"occur: the {len(ids)} that do are the classes, named by their ids")
+        elif highest >= len(names):
+            die(f"label {highest} in {root} has no name among the {len(names)} class names in "
                 "the files' metadata -> fix the names or the labels")
-        label_of = {label: label for label in range(len(classes))}
+        else:
+            classes, label_of = names, {label: label for label in range(len(names))}
     else:
         classes = sorted(pc.unique(labels).to_pylist())
         label_of = {name: label for label, name in enumerate(classes)}
+        note_similar_names(classes, "labels")
     counts = np.bincount([label_of[label] for label in labels.to_pylist()],
                          minlength=len(classes))
     if not counts.all():
         die(f"class {classes[int(np.argmin(counts))]!r} has no images in {root} "
             f"({int((counts == 0).sum())} such classes) -> drop it from the class names")
-    if val_word == "val" and "test" in words:
-        print("note: the test files are left out: validation files give the val split")
+    if val_word:
+        unnamed = [shown(relpath) for (_, relpath, _), word in zip(tables, words) if word is None]
+        print("note: splits from file names: " + ", ".join(
+            (["train files -> train"] if "train" in words else []) + [f"{val_word} files -> val"]
+            + ([f"{len(unnamed)} with no split in the name ({', '.join(unnamed[:3])}) -> train"]
+               if unnamed else []))
+              + ("; test files left out" if val_word == "val" and "test" in words else ""))
     identity = [[str(path.resolve()), path.stat().st_size, path.stat().st_mtime_ns]
                 for path, _, _ in used]
     suffixes = "/".join(sorted({path.suffix for path, _, _ in used}))
+    to_split = [] if val_word else [
+        (f"{relpath}:{row}", label_of[label]) for (_, relpath, _), column in zip(used, columns)
+        for row, label in enumerate(column.to_pylist())]
     return {"classes": classes, "items": table_items(used, image_column, label_column, label_of),
             "total": len(labels), "split_given": "file names" if val_word else None,
-            "identity": identity,
-            "description": f"{root}: {len(used)} {suffixes} files, {len(labels):,} images in "
-                           f"{len(classes)} classes"}
+            "identity": identity, "tried": set(), "passed_over": [], "to_split": to_split,
+            "description": f"{shown(root)}: {len(used)} {suffixes} files, {len(labels):,} images "
+                           f"in {len(classes)} classes"}
 
 
 def find_image_column(schema):
-    """By type, a struct with bytes (HF's Image feature); else image/img or the only binary one."""
+    """By type, a struct with bytes (HF's Image feature), else binary; of several, image or img
+    (a segmentation set's mask is an Image too), else none."""
+    structs = [field.name for field in schema
+               if pa.types.is_struct(field.type) and field.type.get_field_index("bytes") >= 0]
     binary = [field.name for field in schema if pa.types.is_binary(field.type)
               or pa.types.is_large_binary(field.type)]
-    for field in schema:
-        if pa.types.is_struct(field.type) and field.type.get_field_index("bytes") >= 0:
-            return field.name
-    named = [name for name in ("image", "img") if name in binary]
-    return named[0] if named else binary[0] if len(binary) == 1 else None
+    for names in (structs, binary):
+        if names:
+            named = [name for name in ("image", "img") if name in names]
+            return named[0] if named else names[0] if len(names) == 1 else None
+    return None
 
 
 def class_names(schema, label_column):
@@ -940,6 +1133,7 @@ def digits_source():
              for index, (image, label) in enumerate(zip(pixels, target))]
     return {"classes": [str(digit) for digit in range(10)], "items": items, "total": len(items),
             "split_given": None, "identity": f"scikit-learn {version} load_digits",
+            "tried": set(), "passed_over": [], "to_split": [item[:2] for item in items],
             "description": f"scikit-learn {version} load_digits: {len(items):,} 8x8 grayscale "
                            "scans of handwritten digits, upsampled"}
 
@@ -1039,6 +1233,16 @@ def decoded_chunks(items, size, workers):
             yield done, results.get()
 
 
+def first_keys_held_out(keys_and_labels, val_fraction):
+    """The first key of each class that is_val() would hold out whole."""
+    first, trained = {}, set()
+    for key, label in keys_and_labels:
+        first.setdefault(label, key)
+        if not is_val(key, val_fraction):
+            trained.add(label)
+    return {key for label, key in first.items() if label not in trained}
+
+
 def write_image_shards(source, out_dir, size, val_fraction, workers, upsample=False):
     """Decode the source's images into train/val shards; return what meta.json holds of them.
     Images smaller than size are an error, unless upsample (the 8x8 digits)."""
@@ -1050,26 +1254,35 @@ def write_image_shards(source, out_dir, size, val_fraction, workers, upsample=Fa
     sums, squares = np.zeros(3, np.int64), np.zeros(3, np.int64)
     skipped, small, small_count, smallest, done = [], [], 0, size, 0
     scaled = Counter()  # images of WIDE_MODES, by mode
+    passed_over, tried_and_failed, train_counts = list(source["passed_over"]), 0, Counter()
+    # a class the hash would hold out whole trains on its first image: else no model could learn it
+    to_train = first_keys_held_out(source["to_split"], val_fraction) if val_fraction < 1 else ()
     start_time = last_print = time.perf_counter()
     for chunk, results in decoded_chunks(iter(source["items"]), size, workers):
         rows = {"train": ([], []), "val": ([], [])}
         for (key, label, split, _), result in zip(chunk, results):
             if isinstance(result, str):
-                skipped.append((key, result))
+                if key in source["tried"]:  # its name never said it was an image
+                    passed_over.append(("not an image", key))
+                    tried_and_failed += 1
+                else:
+                    skipped.append((key, result))
                 continue
             pixels, channel_sums, channel_squares, shorter_side, scaled_mode = result
             if scaled_mode:
                 scaled[scaled_mode] += 1
-            split = split or ("val" if is_val(key, val_fraction) else "train")
+            if split is None:
+                split = "val" if key not in to_train and is_val(key, val_fraction) else "train"
             rows[split][0].append(pixels)
             rows[split][1].append(label)
             if shorter_side < size:
                 small_count, smallest = small_count + 1, min(smallest, shorter_side)
                 if len(small) < 3:
-                    small.append(f"{key} ({shorter_side} px)")
+                    small.append(f"{shown(key)} ({shorter_side} px)")
             if split == "train":
                 sums += channel_sums
                 squares += channel_squares
+                train_counts[label] += 1
         for split, (pixels, labels) in rows.items():
             if labels:
                 writers[split].write([pa.array(pixels, pa.binary(row_bytes)),
@@ -1085,34 +1298,64 @@ def write_image_shards(source, out_dir, size, val_fraction, workers, upsample=Fa
         writer.close()
 
     train_images = writers["train"].rows
+    images = done - tried_and_failed
     if train_images == 0:  # a trainer could not take one step
-        reason = (f"no image of it decodes (first {skipped[0][0]}: {skipped[0][1]})"
-                  if skipped else f"--val-fraction {val_fraction} holds out everything")
+        reason = (f"no image of it decodes (first {shown(skipped[0][0])}: {skipped[0][1]})"
+                  if skipped else "no file of it is an image Pillow reads" if not images
+                  else f"--val-fraction {val_fraction} holds out everything")
         die(f"no images for the train split: {reason} -> pass images that Pillow reads, "
             "or a --val-fraction below 1")
-    named = (", ".join(f"{key} ({reason})" for key, reason in skipped[:3])
+    named = (", ".join(f"{shown(key)} ({reason})" for key, reason in skipped[:3])
              + (", ..." if len(skipped) > 3 else ""))
-    if 100 * len(skipped) > done:  # not a few bad files: a broken download, or the wrong files
-        die(f"{len(skipped):,} of {done:,} files ({100 * len(skipped) / done:.3g}%) do not decode, "
-            f"more than the 1% that is skipped: {named} -> repair or remove them")
+    if 100 * len(skipped) > images:  # not a few bad files: a broken download, or the wrong files
+        die(f"{len(skipped):,} of {images:,} files ({100 * len(skipped) / images:.3g}%) do not "
+            f"decode, more than the 1% that is skipped: {named} -> repair or remove them")
     if small_count and not upsample:  # upsampled, they would be blurrier than the rest
-        die(f"{small_count:,} of {done - len(skipped):,} images are smaller than --image-size "
+        die(f"{small_count:,} of {images - len(skipped):,} images are smaller than --image-size "
             f"{size} on their shorter side: {', '.join(small)}"
             + (", ..." if small_count > 3 else "")
-            + f" -> pass --image-size {smallest}, or remove them")
-    if skipped:
-        print(f"note: skipped {len(skipped):,} of {done:,} files that do not decode: {named}")
+            + (f" -> pass --image-size {smallest}, or remove them" if smallest >= 4 else
+               " -> remove them (a ViT needs 4 pixels or more a side)"))
+    print_skipped(skipped, named, images, passed_over)
     if scaled.total():
         modes = ", ".join(f"{count:,} {mode}" for mode, count in sorted(scaled.items()))
         print(f"note: scaled {scaled.total():,} images of 16- or 32-bit modes ({modes}) to 8 bits, "
               "each from its own minimum..maximum to 0..255; the exported pipeline would clip them "
               "(Pillow's convert) -> pass it preprocess.to_rgb(Image.open(path)), not the path")
+    untrained = [name for label, name in enumerate(source["classes"]) if not train_counts[label]]
+    if untrained:
+        print(f"warning: {len(untrained)} of {len(source['classes'])} classes have no image in "
+              f"the train split, so the model cannot learn them: {', '.join(untrained[:5])}"
+              + (", ..." if len(untrained) > 5 else "")
+              + " -> give each some training images, or remove them", file=sys.stderr)
     pixel_count = train_images * size * size
     mean = sums / (pixel_count * 255)
     std = np.sqrt(np.maximum(squares / (pixel_count * 255 ** 2) - mean ** 2, 0))
     return {"mean": mean.tolist(), "std": std.tolist(),
             "splits": {split: {"files": w.files, "images": w.rows} for split, w in writers.items()},
-            "skipped": {"count": len(skipped), "examples": [key for key, _ in skipped[:5]]}}
+            "skipped": {"count": len(skipped),
+                        "examples": [shown(key) for key, _ in skipped[:5]]}}
+
+
+def print_skipped(skipped, named, images, passed_over):
+    """One note for every file not read: the images that do not decode, then the rest by kind."""
+    parts = [f"{len(skipped):,} of {images:,} files that do not decode: {named}"] if skipped else []
+    for kind, heading in (("not an image", "not images"), ("hidden", "hidden files or folders"),
+                          ("outside the class folders", "outside the class folders"),
+                          ("second path", "second paths (links) to what was read already")):
+        names = [relpath for other, relpath in passed_over if other == kind]
+        if kind == "not an image":  # by kind: 2 .txt, 1 .svg
+            suffixes = Counter(os.path.splitext(name)[1].lower() or "no extension"
+                               for name in names)
+            examples = [f"{count} {suffix}" for suffix, count in sorted(suffixes.items())]
+        else:
+            examples = [shown(name) for name in names[:3]] + ["..."] * (len(names) > 3)
+        if names:
+            parts.append(f"{heading}: {len(names):,} ({', '.join(examples)})")
+    if parts:
+        print("note: skipped " + "; ".join(parts))
+
+
 # ============================================================================== images: end
 
 

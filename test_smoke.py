@@ -943,6 +943,30 @@ def bad_images_args(case, tmp_path):
             (folder / name).mkdir(parents=True)
             (folder / name / "a.jpg").write_bytes(b"\xff\xd8\xff\xe0 cut short")
         return ["--images", folder]
+    if case == "images_smaller_than_4_pixels":
+        make_image_folder(folder, trees=("",), per_class=(3,))
+        Image.new("RGB", (2, 30)).save(folder / "cat" / "thin.png")
+        return ["--images", folder, "--image-size", 16]
+    if case == "a_class_folder_that_is_a_link_to_another":
+        make_image_folder(folder, trees=("",), per_class=(2,))
+        (folder / "kitty").symlink_to("cat")
+        return ["--images", folder]
+    if case == "split_folders_without_a_train_folder":
+        make_image_folder(folder, trees=("valid", "test"), per_class=(2, 2))
+        return ["--images", folder]
+    if case == "folders_named_as_splits_that_hold_images":
+        for name in ("Training", "Testing"):
+            (folder / name).mkdir(parents=True)
+            Image.new("RGB", (20, 20)).save(folder / name / "a.png")
+        return ["--images", folder]
+    if case == "an_out_inside_the_images":
+        make_image_folder(folder, trees=("",), per_class=(2,))
+        return ["--images", folder, "--out", folder / "out"]
+    if case == "an_empty_images_path":  # an unset shell variable
+        return ["--images", ""]
+    png = io.BytesIO()
+    Image.new("RGB", (20, 20)).save(png, format="PNG")
+    image_rows = [{"bytes": png.getvalue(), "path": "a.png"}] * 4
     png = io.BytesIO()
     Image.new("RGB", (20, 20)).save(png, format="PNG")
     image_rows = [{"bytes": png.getvalue(), "path": "a.png"}] * 4
@@ -967,8 +991,19 @@ def bad_images_args(case, tmp_path):
     if case == "parquet_labels_of_minus_1":  # HF's test splits often are unlabelled
         pq.write_table(pa.table({"image": image_rows, "label": [-1] * 4}), tmp_path / "t.parquet")
         return ["--images", tmp_path / "t.parquet"]
+    if case == "parquet_files_that_name_the_classes_differently":
+        (tmp_path / "hub").mkdir()
+        for split, names in (("train", ["cat", "dog"]), ("validation", ["dog", "cat"])):
+            features = {"label": {"names": names, "_type": "ClassLabel"}}
+            table = pa.table({"image": image_rows, "label": [0, 1] * 2})
+            pq.write_table(table.replace_schema_metadata(
+                {"huggingface": json.dumps({"info": {"features": features}})}),
+                tmp_path / "hub" / f"{split}-00000-of-00001.parquet")
+        return ["--images", tmp_path / "hub"]
     if case == "image_size_0":
         return ["--images", "--image-size", 0]
+    if case == "image_size_3":
+        return ["--images", "--image-size", 3]
     if case == "image_size_not_a_number":
         return ["--images", "--image-size", "big"]
     if case == "workers_0":
@@ -995,11 +1030,20 @@ def bad_images_args(case, tmp_path):
                                             "cat/small.png (14 px), dog/small.png (12 px)",
                                             "-> pass --image-size 12, or remove them")),
     ("no_image_decodes", "no image of it decodes"),
+    ("images_smaller_than_4_pixels", ("1 of 7 images are smaller than --image-size 16",
+                                      "cat/thin.png (2 px) -> remove them (a ViT needs 4")),
+    ("a_class_folder_that_is_a_link_to_another", "kitty is a link to a folder read already"),
+    ("split_folders_without_a_train_folder", "has no train folder beside it"),
+    ("folders_named_as_splits_that_hold_images", "(Testing, Training) are named as splits"),
+    ("an_out_inside_the_images", "lies inside --images"),
+    ("an_empty_images_path", '--images "" is an empty path'),
+    ("parquet_files_that_name_the_classes_differently", "name the classes differently"),
     ("parquet_without_label_column", "has no label column"),
     ("parquet_labels_of_floats", "not integers or strings"),
     ("parquet_labels_of_minus_1", "negative label"),
     ("parquet_class_without_images", "class 'bird' has no images"),
     ("image_size_0", "--image-size 0 is not between"),
+    ("image_size_3", "--image-size 3 is not between 4 and"),
     ("image_size_not_a_number", "invalid int value: 'big'"),
     ("workers_0", "--workers 0 is not positive"),
     ("everything_held_out", "--val-fraction 1.0 holds out"),
@@ -1105,6 +1149,300 @@ def test_killed_images_run_leaves_no_partial_output_and_the_next_run_removes_its
     result = preprocess_in_process("--images", "--out", out, "--image-size", 8)
     assert result.returncode == 0, result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def build_folder(folder, out, *args):
+    return preprocess_in_process("--images", folder, "--out", out, "--image-size", 16,
+                                 "--workers", 1, *args)
+
+
+def hash_split(relpaths, val_fraction):
+    """{split: relpaths} as preprocess.py splits a folder without split folders: by a hash of each
+    path, but a class the hash would hold out whole trains on its first image."""
+    val = [relpath for relpath in relpaths if in_val(relpath, val_fraction)]
+    for name in {Path(relpath).parent for relpath in relpaths}:
+        in_class = sorted(relpath for relpath in relpaths if Path(relpath).parent == name)
+        if all(relpath in val for relpath in in_class):
+            val.remove(in_class[0])
+    return {"train": [relpath for relpath in relpaths if relpath not in val], "val": val}
+
+
+def note_lines(result, start="note: skipped"):
+    return [line for line in result.stdout.splitlines() if line.startswith(start)]
+
+
+def test_images_behind_links_are_read_once_each_under_the_class_of_its_real_folder(tmp_path):
+    """Links are followed, but neither a loop (cat/up -> .., cat/self -> .) nor a second name for a
+    class (dog/more -> ../cat) or for a file (cat/alias.png -> ../dog/001.png) adds an image."""
+    folder, out = tmp_path / "folder", tmp_path / "out"
+    relpaths = make_image_folder(folder, trees=("",), per_class=(6,))
+    (folder / "cat" / "up").symlink_to("..")
+    (folder / "cat" / "self").symlink_to(".")
+    (folder / "dog" / "more").symlink_to("../cat")
+    (folder / "cat" / "alias.png").symlink_to("../dog/001.png")
+    result = build_folder(folder, out, "--val-fraction", 0.3)
+    assert result.returncode == 0, result.stderr
+    for split, expected in hash_split(relpaths, 0.3).items():
+        assert_rows_are_the_files(out, split, folder, expected, 16)
+    notes = note_lines(result)
+    assert len(notes) == 1 and "second paths (links) to what was read already: 4 (" in notes[0]
+
+
+def test_images_linked_from_the_val_folder_into_train_stay_in_train_alone(tmp_path):
+    folder, out = tmp_path / "folder", tmp_path / "out"
+    relpaths = make_image_folder(folder, per_class=(6, 3))
+    shutil.rmtree(folder / "val" / "cat")
+    (folder / "val" / "cat").symlink_to("../train/cat")
+    (folder / "val" / "dog" / "leak.png").symlink_to("../../train/dog/001.png")
+    result = build_folder(folder, out)
+    assert result.returncode == 0, result.stderr
+    for split in ("train", "val"):
+        expected = [relpath for relpath in relpaths if relpath.startswith(f"{split}/")
+                    and not relpath.startswith("val/cat/")]
+        assert_rows_are_the_files(out, split, folder, expected, 16)
+
+
+@pytest.mark.parametrize("trees, val_tree, note", [
+    (("train", "valid", "test"), "valid", "train/ -> train, valid/ -> val; test/ left out"),
+    (("Train", "Test"), "Test", "Train/ -> train, Test/ -> val"),
+    (("training_set", "validation", "extra"), "validation",
+     "training_set/ -> train, validation/ -> val; extra/ left out"),
+    (("train", "extra"), None,
+     "train/ -> train and val (by a hash of each path); extra/ left out")])
+def test_images_from_split_folders_take_a_validation_folder_before_test_and_say_which_is_which(
+        tmp_path, trees, val_tree, note):
+    folder, out = tmp_path / "folder", tmp_path / "out"
+    relpaths = make_image_folder(folder, trees=trees, per_class=(6, 3, 2))
+    result = build_folder(folder, out, "--val-fraction", 0.3)
+    assert result.returncode == 0, result.stderr
+    assert note_lines(result, "note: splits") == [f"note: splits from folders: {note}"]
+    train = [relpath for relpath in relpaths if relpath.startswith(trees[0] + "/")]
+    splits = ({"train": train, "val": [relpath for relpath in relpaths
+                                       if relpath.startswith(val_tree + "/")]}
+              if val_tree else hash_split(train, 0.3))
+    for split, expected in splits.items():
+        assert_rows_are_the_files(out, split, folder, expected, 16)
+
+
+def test_images_a_class_folder_named_train_that_holds_images_is_a_class(tmp_path):
+    folder, out = tmp_path / "folder", tmp_path / "out"
+    make_image_folder(folder, trees=("",), per_class=(3,))
+    (folder / "train").mkdir()  # CIFAR-100 has a class train
+    for i in range(3):
+        Image.new("RGB", (20, 20), (i * 80, 0, 0)).save(folder / "train" / f"{i}.png")
+    result = build_folder(folder, out)
+    assert result.returncode == 0, result.stderr
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["classes"] == ["cat", "dog", "train"]
+    assert meta["splits"]["train"]["images"] + meta["splits"]["val"]["images"] == 9
+
+
+def test_images_pillow_reads_are_kept_whatever_their_names_and_one_note_counts_the_rest(tmp_path):
+    """Pillow's other names (.jfif, .ppm, .avif), none, or an unknown one are read; a file that
+    is no image, hidden, or beside the class folders is left out and counted by kind in one note,
+    and none counts towards the 1% of images that may fail to decode."""
+    from PIL import features
+    folder, out = tmp_path / "folder", tmp_path / "out"
+    relpaths = make_image_folder(folder, trees=("",), per_class=(4,))  # and cat/notes.txt
+    formats = {"cat/a.jfif": "JPEG", "cat/b.ppm": "PPM", "dog/c": "PNG", "dog/d.jpg_large": "JPEG",
+               **({"dog/e.avif": "AVIF"} if features.check("avif") else {})}
+    for index, (relpath, image_format) in enumerate(formats.items()):
+        Image.new("RGB", (20, 24), (40 * index, 90, 200)).save(folder / relpath, image_format)
+    (folder / "dog" / "README").write_text("not an image")  # opened, and left out
+    (folder / "dog" / "labels.json").write_text("{}")
+    (folder / "cat" / ".DS_Store").write_bytes(b"\0\0\0\1Bud1")
+    (folder / "cat" / ".thumbs").mkdir()
+    Image.new("RGB", (20, 20)).save(folder / "cat" / ".thumbs" / "000.png")
+    (folder / "LICENSE.md").write_text("CC-BY")
+    result = build_folder(folder, out, "--val-fraction", 0.3)
+    assert result.returncode == 0, result.stderr
+    for split, expected in hash_split(sorted(relpaths + list(formats)), 0.3).items():
+        assert_rows_are_the_files(out, split, folder, expected, 16)
+    assert note_lines(result) == [
+        "note: skipped not images: 3 (1 .json, 1 .txt, 1 no extension); hidden files or folders: 2 "
+        "(cat/.DS_Store, cat/.thumbs/); outside the class folders: 1 (LICENSE.md)"]
+
+
+def test_images_named_in_no_utf8_are_read_and_such_a_class_is_an_error_whose_mv_works(tmp_path):
+    folder, out = tmp_path / "folder", tmp_path / "out"
+    make_image_folder(folder, trees=("",), per_class=(4,))
+    raw = os.fsencode(folder)
+    Image.new("RGB", (20, 20), "red").save(os.fsdecode(raw + b"/cat/caf\xe9.png"))
+    (Path(os.fsdecode(raw + b"/r\xe9adme.md"))).write_text("as a zip made on Windows names it")
+    result = run_preprocess("--images", folder, "--out", out, "--image-size", 16, "--workers", 1)
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    assert "outside the class folders: 1 (r\\xe9adme.md)" in result.stdout
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["splits"]["train"]["images"] + meta["splits"]["val"]["images"] == 9
+
+    os.mkdir(raw + b"/caf\xe9")
+    for i in range(2):
+        Image.new("RGB", (20, 20), "blue").save(os.fsdecode(raw + b"/caf\xe9/%d.png" % i))
+    failed = run_preprocess("--images", folder, "--out", tmp_path / "out2", "--workers", 1)
+    assert failed.returncode == 2 and failed.stderr.count("\n") == 1, failed.stderr
+    assert "Traceback" not in failed.stderr and f"{folder}/caf\\xe9 has a name that is not UTF-8" \
+        in failed.stderr and not (tmp_path / "out2").exists()
+    command = failed.stderr.strip().split("e.g. ")[-1]
+    assert command == f"mv $'{folder}/caf\\xe9' '{folder}/café'"
+    subprocess.run(["bash", "-c", command], check=True)
+    again = run_preprocess("--images", folder, "--out", tmp_path / "out2", "--image-size", 16,
+                           "--workers", 1)
+    assert again.returncode == 0, again.stderr
+    assert json.loads((tmp_path / "out2" / "meta.json").read_text())["classes"] == \
+        ["café", "cat", "dog"]
+
+
+def test_images_class_folders_that_differ_only_in_case_are_two_classes_and_a_note(tmp_path):
+    folder, out = tmp_path / "folder", tmp_path / "out"
+    make_image_folder(folder, trees=("",), per_class=(3,))
+    shutil.copytree(folder / "cat", folder / "Cat")
+    result = build_folder(folder, out)
+    assert result.returncode == 0, result.stderr
+    assert json.loads((out / "meta.json").read_text())["classes"] == ["Cat", "cat", "dog"]
+    assert note_lines(result, "note: class folders") == [
+        "note: class folders Cat, cat differ only in case (or in how an accent is encoded): they "
+        "are distinct classes"]
+
+
+def test_images_one_folder_above_the_class_folders_is_an_error_whose_images_path_works(tmp_path):
+    folder, out = tmp_path / "download", tmp_path / "out"
+    make_image_folder(folder / "PetImages", trees=("",), per_class=(3,))  # as Kaggle's zip holds it
+    failed = build_folder(folder, out)
+    assert failed.returncode == 2 and "holds one class folder, PetImages," in failed.stderr
+    images = re.search(r"-> pass --images (\S+)$", failed.stderr.strip()).group(1)
+    result = build_folder(images, out)
+    assert result.returncode == 0, result.stderr
+    assert json.loads((out / "meta.json").read_text())["classes"] == IMAGE_CLASSES
+
+
+def hf_table(labels, names=None):
+    png = io.BytesIO()
+    Image.new("RGB", (20, 20)).save(png, format="PNG")
+    table = pa.table({"image": [{"bytes": png.getvalue(), "path": "a.png"}] * len(labels),
+                      "label": labels})
+    if names is None:
+        return table
+    features = {"label": {"names": names, "_type": "ClassLabel"}}
+    return table.replace_schema_metadata(
+        {"huggingface": json.dumps({"info": {"features": features}})})
+
+
+def test_images_from_parquet_ids_without_names_are_the_ids_that_occur(tmp_path):
+    pq.write_table(hf_table([1, 2, 3, 2] * 3), tmp_path / "t.parquet")
+    result = build_folder(tmp_path / "t.parquet", tmp_path / "out", "--val-fraction", 0.3)
+    assert result.returncode == 0, result.stderr
+    assert json.loads((tmp_path / "out" / "meta.json").read_text())["classes"] == ["1", "2", "3"]
+    keys = [f"t.parquet:{row}" for row in range(12)]
+    train = [label for key, label in zip(keys, [0, 1, 2, 1] * 3) if not in_val(key, 0.3)]
+    assert read_images(tmp_path / "out", "train")[1] == train
+    assert "the 3 that do are the classes, named by their ids" in result.stdout
+
+
+def test_images_from_hf_files_take_the_image_column_of_several_by_its_name(tmp_path):
+    """A segmentation set's mask is an Image feature too, and may stand first."""
+    table = hf_table([0, 1] * 4)
+    png = io.BytesIO()
+    Image.new("L", (20, 20), 255).save(png, format="PNG")
+    masks = pa.array([{"bytes": png.getvalue(), "path": "m.png"}] * 8,
+                     table.schema.field("image").type)
+    pq.write_table(pa.table({"mask": masks, "image": table.column("image"),
+                             "label": table.column("label")}), tmp_path / "t.parquet")
+    result = build_folder(tmp_path / "t.parquet", tmp_path / "out")
+    assert result.returncode == 0, result.stderr
+    assert not read_images(tmp_path / "out", "train")[0].any()  # the black images, not the masks
+
+
+def test_images_from_hf_files_take_the_split_from_the_file_name_and_say_where_each_went(tmp_path):
+    """Named by the word nearest the file (test_run/ is no split), a file of no split trains."""
+    (tmp_path / "hub" / "test_run").mkdir(parents=True)
+    for name, rows in (("test_run/train", 5), ("test_run/validation", 3), ("extra", 2),
+                       ("test_run/test", 4)):
+        pq.write_table(hf_table([0, 1] * rows, ["cat", "dog"]),
+                       tmp_path / "hub" / f"{name}-00000-of-00001.parquet")
+    result = build_folder(tmp_path / "hub", tmp_path / "out")
+    assert result.returncode == 0, result.stderr
+    assert note_lines(result, "note: splits") == [
+        "note: splits from file names: train files -> train, val files -> val, 1 with no split in "
+        "the name (extra-00000-of-00001.parquet) -> train; test files left out"]
+    meta = json.loads((tmp_path / "out" / "meta.json").read_text())
+    assert (meta["splits"]["train"]["images"], meta["splits"]["val"]["images"]) == (14, 6)
+
+
+def test_images_without_out_suggest_an_out_that_works_and_lies_outside_the_images(tmp_path):
+    folder = tmp_path / "photos"
+    make_image_folder(folder, trees=("",), per_class=(3,))
+    for cwd, images in ((tmp_path, "photos"), (folder, ".")):
+        failed = run([sys.executable, REPO / "preprocess.py", "--images", images], cwd=cwd)
+        assert failed.returncode == 2 and "needs --out" in failed.stderr, failed.stderr
+        suggested = re.search(r"pass e\.g\. --out (\S+)$", failed.stderr.strip()).group(1)
+        result = run([sys.executable, REPO / "preprocess.py", "--images", images, "--out",
+                      suggested, "--image-size", "16", "--workers", "1"], cwd=cwd)
+        assert result.returncode == 0, result.stderr
+        built = (cwd / suggested).resolve()
+        assert (built / "meta.json").exists() and not built.is_relative_to(folder.resolve())
+        shutil.rmtree(built)
+
+
+def test_images_smaller_than_the_image_size_suggest_an_image_size_that_works(tmp_path):
+    args = bad_images_args("images_smaller_than_the_image_size", tmp_path)
+    failed = build_folder(*args[1:2], tmp_path / "out", *args[2:])
+    assert failed.returncode == 2
+    size = re.search(r"-> pass --image-size (\d+),", failed.stderr).group(1)
+    result = build_folder(args[1], tmp_path / "out", "--image-size", size)
+    assert result.returncode == 0, result.stderr
+
+
+def test_images_split_by_a_hash_keep_a_training_image_in_every_class(tmp_path):
+    """40 classes of 1 or 2 images: a hash of each path at --val-fraction 0.5 would hold out some
+    whole; the first image of each such class trains instead."""
+    folder, out = tmp_path / "folder", tmp_path / "out"
+    relpaths = []
+    for index in range(40):
+        (folder / f"c{index:02d}").mkdir(parents=True)
+        for i in range(1 + index % 2):
+            relpaths.append(f"c{index:02d}/{i}.png")
+            Image.new("RGB", (20, 20), (index * 6, i * 100, 0)).save(folder / relpaths[-1])
+    assert sum(all(in_val(relpath, 0.5) for relpath in relpaths
+                   if relpath.startswith(f"c{index:02d}/")) for index in range(40)) >= 5
+    result = build_folder(folder, out, "--val-fraction", 0.5)
+    assert result.returncode == 0, result.stderr
+    splits = hash_split(relpaths, 0.5)
+    for split in ("train", "val"):
+        labels = read_images(out, split)[1]
+        assert labels == [int(relpath[1:3]) for relpath in splits[split]]
+    assert set(read_images(out, "train")[1]) == set(range(40)) and "warning" not in result.stderr
+    # the same images as rows of one Parquet file
+    pq.write_table(pa.table({"image": [{"bytes": (folder / relpath).read_bytes(), "path": relpath}
+                                       for relpath in relpaths],
+                             "label": [relpath[:3] for relpath in relpaths]}),
+                   tmp_path / "t.parquet")
+    rows = build_folder(tmp_path / "t.parquet", tmp_path / "rows", "--val-fraction", 0.5)
+    assert rows.returncode == 0, rows.stderr
+    assert set(read_images(tmp_path / "rows", "train")[1]) == set(range(40))
+
+
+def test_images_a_class_without_training_images_is_a_warning_that_names_it(tmp_path):
+    folder, out = tmp_path / "folder", tmp_path / "out"
+    make_image_folder(folder, per_class=(50, 3))
+    (folder / "train" / "bird").mkdir()
+    (folder / "train" / "bird" / "0.jpg").write_bytes(b"\xff\xd8\xff\xe0 cut short")  # 1 of 101
+    (folder / "val" / "bird").mkdir()
+    Image.new("RGB", (20, 20)).save(folder / "val" / "bird" / "0.png")
+    result = build_folder(folder, out)
+    assert result.returncode == 0, result.stderr
+    assert "warning: 1 of 3 classes have no image in the train split, so the model cannot learn " \
+        "them: bird -> " in result.stderr
+
+
+def test_images_with_an_empty_val_split_suggest_a_val_fraction_that_fills_it(tmp_path):
+    folder = tmp_path / "folder"
+    make_image_folder(folder, trees=("",), per_class=(20,))
+    empty = build_folder(folder, tmp_path / "out", "--val-fraction", 0)
+    assert empty.returncode == 0, empty.stderr
+    fraction = re.search(r"raise --val-fraction \(now 0\.0\), e\.g\. to (\S+)$",
+                         empty.stderr.strip()).group(1)
+    result = build_folder(folder, tmp_path / "out2", "--val-fraction", fraction)
+    assert result.returncode == 0 and read_images(tmp_path / "out2", "val")[1], result.stderr
 
 
 # ---- train_ddp.py: config ------------------------------------------------------------------------
