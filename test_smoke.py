@@ -196,6 +196,23 @@ def losses(out_dir):
 SPECIAL_ROLES = ["eot", "pad", "mask", "cls", "sep"]
 
 
+def kill_preprocess_midway(args, out, marker):
+    """SIGKILL preprocess.py once its temporary directory holds `marker`: what it leaves must be
+    nothing of out, or (if it finished first) all of it."""
+    process = subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    temp_dir = out.with_name(f"{out.name}.tmp-{process.pid}")
+    while process.poll() is None and not (temp_dir / marker).exists():
+        time.sleep(0.005)
+    process.kill()
+    process.wait()
+    if out.exists():  # it finished before the kill: then it must be complete
+        meta = json.loads((out / "meta.json").read_text())
+        assert all((out / name).exists() for split in meta["splits"].values()
+                   for name in split["files"])
+    else:
+        assert temp_dir.exists() and not (temp_dir / "meta.json").exists()
+
+
 def run_preprocess(*args):
     return subprocess.run([sys.executable, "preprocess.py", *map(str, args)], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
@@ -564,18 +581,7 @@ def test_killed_run_leaves_no_partial_output_and_the_next_run_removes_its_leftov
         (corpus / f"{i}.txt").write_text(" ".join(f"word{j * i % 9973}" for j in range(12_000)))
     out = tmp_path / "out"
     args = [sys.executable, "preprocess.py", "--input", corpus, "--out", out, "--vocab-size", "300"]
-    process = subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    temp_dir = tmp_path / f"out.tmp-{process.pid}"
-    while process.poll() is None and not (temp_dir / "tokenizer.json").exists():
-        time.sleep(0.005)
-    process.kill()
-    process.wait()
-    if out.exists():  # it finished before the kill: then it must be complete
-        meta = json.loads((out / "meta.json").read_text())
-        assert all((out / name).exists() for split in meta["splits"].values()
-                   for name in split["files"])
-    else:
-        assert temp_dir.exists() and not (temp_dir / "meta.json").exists()
+    kill_preprocess_midway(args, out, "tokenizer.json")
     result = run_preprocess("--input", corpus, "--out", out, "--vocab-size", 300)
     assert result.returncode == 0, result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["big", "out"]
@@ -1134,18 +1140,7 @@ def test_killed_images_run_leaves_no_partial_output_and_the_next_run_removes_its
         tmp_path):
     out = tmp_path / "out"
     args = [sys.executable, "preprocess.py", "--images", "--out", out, "--image-size", "128"]
-    process = subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    temp_dir = tmp_path / f"out.tmp-{process.pid}"
-    while process.poll() is None and not (temp_dir / "train-00000.arrow").exists():
-        time.sleep(0.005)
-    process.kill()
-    process.wait()
-    if out.exists():  # it finished before the kill: then it must be complete
-        meta = json.loads((out / "meta.json").read_text())
-        assert all((out / name).exists() for split in meta["splits"].values()
-                   for name in split["files"])
-    else:
-        assert temp_dir.exists() and not (temp_dir / "meta.json").exists()
+    kill_preprocess_midway(args, out, "train-00000.arrow")
     result = preprocess_in_process("--images", "--out", out, "--image-size", 8)
     assert result.returncode == 0, result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]

@@ -1394,6 +1394,7 @@ def is_masked_lm_type(cfg):
 CPU_PRESET_IMAGES = {"train.max_steps": 1000, "train.eval_every": 250, "train.crop_padding": 0,
                      "optim.lr": 3e-3, "optim.min_lr": 3e-4, "optim.warmup_steps": 50,
                      "checkpoint.every": 250}
+DIGITS_DIR = "data/digits"  # where an image model's default data, the digits, is prepared
 # With a CUDA GPU, model.type=vit and data.dir at its default (the digits), these replace the
 # defaults: the same small ViT, not compiled (compiling it takes longer than its 1,000 steps).
 GPU_PRESET_DIGITS = {"model.n_layer": 2, "model.n_head": 4, "model.n_embd": 128,
@@ -1412,14 +1413,14 @@ def vit_preset(given, flat, name, preset, image_presets, use_cuda):
     cpu_images, gpu_digits = image_presets
     if not use_cuda:
         return "cpu_preset + cpu_preset_images", {**preset, **cpu_images}
-    if given.get("data.dir", flat["data.dir"]) in (DEFAULTS["data"]["dir"], "data/digits"):
+    if given.get("data.dir", flat["data.dir"]) in (DEFAULTS["data"]["dir"], DIGITS_DIR):
         return "gpu_preset_digits", dict(gpu_digits)
     return name, preset
 
 
 def prepare_images_command(data_dir):
     """The command that prepares images into data_dir: the digits, or the user's images."""
-    source = "" if str(data_dir) == "data/digits" else " YOUR_IMAGES"
+    source = "" if str(data_dir) == DIGITS_DIR else " YOUR_IMAGES"
     return f"python preprocess.py --images{source} --out {data_dir}"
 
 
@@ -1432,7 +1433,7 @@ def is_image_model(cfg):
 
 def default_image_dir(cfg):
     """An image model with data.dir at its default reads the offline default images: the digits."""
-    return "data/digits" if cfg.data.dir == DEFAULTS["data"]["dir"] and is_image_model(cfg) \
+    return DIGITS_DIR if cfg.data.dir == DEFAULTS["data"]["dir"] and is_image_model(cfg) \
         else cfg.data.dir
 
 
