@@ -3861,6 +3861,28 @@ def test_fsdp_resume_on_another_world_size_continues_from_the_same_sample(fsdp_r
                for name in final_a)
 
 
+def test_fsdp_on_one_rank_trains_the_whole_model_and_trades_checkpoints_with_two_ranks(
+        fsdp_run, data_dir, tmp_path):
+    """One rank shards nothing: the step-4 checkpoint of 2 ranks resumes there into the whole model,
+    and the step-6 checkpoint that one rank writes resumes on 2 ranks again; both give the
+    uninterrupted sharded run's losses."""
+    out, _ = fsdp_run
+    one, two = tmp_path / "one", tmp_path / "two"
+    shutil.copytree(out / "ckpt" / "step_000004", one / "ckpt" / "step_000004")
+    result = torchrun(1, "train_fsdp.py", f"data.dir={data_dir}", *FSDP_STEPS, f"out_dir={one}",
+                      f"checkpoint.dir={one}/ckpt", "checkpoint.every=2", "export=false")
+    assert "one rank: the model is trained whole, not sharded" in result.stdout
+    assert "sharded over" not in result.stdout
+    shutil.copytree(one / "ckpt" / "step_000006", two / "ckpt" / "step_000006")
+    result = torchrun(2, "train_fsdp.py", f"data.dir={data_dir}", *FSDP_STEPS, f"out_dir={two}",
+                      f"checkpoint.dir={two}/ckpt", "export=false")
+    assert "sharded over 2 ranks" in result.stdout
+    uninterrupted, on_one, on_two = losses(out), losses(one), losses(two)
+    assert sorted(on_one) == [5, 6, 7, 8] and sorted(on_two) == [7, 8]
+    assert all(loss == pytest.approx(uninterrupted[step], rel=1e-5)
+               for resumed in (on_one, on_two) for step, loss in resumed.items())
+
+
 def test_fsdp_recovers_from_a_kill_while_writing_a_sharded_checkpoint_and_resumes_bit_for_bit(
         fsdp_run, data_dir, tmp_path):
     """Rank 1 dies after writing its shards of the step-8 checkpoint, before it is published: the

@@ -52,8 +52,9 @@ from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_state_dict, set_model_state_dict,
                                                      set_state_dict)
-from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy,
-                                    fully_shard)
+from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy,
+                                    OffloadPolicy, fully_shard)
+from torch.distributed.tensor import DTensor
 from transformers import (AttentionInterface, AttentionMaskInterface, AutoConfig,
                           AutoModelForCausalLM, AutoModelForMaskedLM, PreTrainedTokenizerFast)
 from transformers import AutoModelForImageClassification  # images
@@ -166,7 +167,7 @@ def main():
     # -------------------------------------------------------------------------- 7. training loop
     run.timers = SimpleNamespace(data_wait=SpanTimer(device), sync_wait=SpanTimer(device),
                                  comm_wait=None, allreduce_spans=[])  # comm_wait: our reducers'
-    model, run.parallel = raw_model, gradient_sync(raw_model)  # sharded in section 4
+    model, run.parallel = gradient_sync(raw_model, use_compile)  # sharded in section 4
     # dcp.async_save writes in a thread of its own and needs a process group with a CPU backend
     run.async_group = dist.new_group(backend="gloo") if cfg.checkpoint.async_save else None
     run.loss_of = loss_function(cfg, task, use_compile)
@@ -237,7 +238,7 @@ def train_step(model, batches, optimizer, scheduler, scaler, run):
     scaler.unscale_(optimizer)  # clip the true gradient, not the fp16-scaled one
     grad_norm = torch.nn.utils.clip_grad_norm_(run.raw_model.parameters(),
                                                run.cfg.optim.grad_clip or float("inf"))
-    grad_norm = grad_norm.full_tensor()  # the norm over every shard, the same on every rank
+    grad_norm = local(grad_norm, whole=True)  # the norm over every shard, alike on every rank
     bad, stop = step_verdict(grad_norm, run)  # every rank decides alike, at the same step
     if not bad:  # a non-finite gradient: no update on any rank; the data and schedule move on
         optimizer.step()
@@ -274,7 +275,17 @@ def shard_model(cfg, task, meta, device, use_compile, param_dtype):
     the final norm, the output layer). Rank 0 alone builds the whole model, in CPU memory (new
     weights from the seed, or the pretrained ones); every rank builds it again on the meta device
     (shapes, no memory), shards it and fills its shards from rank 0's: the model never has to fit on
-    one GPU, and its first weights are the same on any number of ranks."""
+    one GPU, and its first weights are the same on any number of ranks. One rank (without CPU
+    offload) has nothing to shard: the model is trained whole, as torchtitan does at one rank too;
+    FSDP's per-block gathers and DTensor dispatch would only add host time. Its DCP checkpoints
+    resume on any number of ranks, and sharded ones on it."""
+    if dist.get_world_size() == 1 and not cfg.fsdp.cpu_offload:
+        model, attention = build_model(cfg, task, meta, device)
+        if cfg.fsdp.activation_checkpointing:
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False})
+        log0("one rank: the model is trained whole, not sharded (checkpoints are DCP's, as on N)")
+        return model.to(device), attention
     source = on_rank0(lambda: build_model(cfg, task, meta, torch.device("cpu"))[0],
                       share_result=False)
     config, model_class = built_config(cfg, task, meta), model_class_of(task)
@@ -313,7 +324,7 @@ def shard_model(cfg, task, meta, device, use_compile, param_dtype):
         owner, _, buffer_name = name.rpartition(".")
         setattr(model.get_submodule(owner), buffer_name, value)
     per_rank = [None] * dist.get_world_size()
-    dist.all_gather_object(per_rank, sum(p.to_local().numel() for p in model.parameters()))
+    dist.all_gather_object(per_rank, sum(local(p).numel() for p in model.parameters()))
     log0(f"sharded over {dist.get_world_size()} ranks (reshard_after_forward="
          f"{cfg.fsdp.reshard_after_forward}, activation checkpointing "
          f"{cfg.fsdp.activation_checkpointing}, CPU offload {cfg.fsdp.cpu_offload}): parameters "
@@ -321,14 +332,28 @@ def shard_model(cfg, task, meta, device, use_compile, param_dtype):
     return model, attention
 
 
-def gradient_sync(model):
-    """FSDP's side of a step: on all but the last micro-batch no reduce-scatter; gradients then
-    accumulate unsharded (a full gradient per rank until the last micro-batch)."""
+def gradient_sync(raw_model, use_compile):
+    """The model each step calls, and FSDP's side of a step: on all but the last micro-batch no
+    reduce-scatter; gradients then accumulate unsharded (a full gradient per rank until the last
+    micro-batch). The whole model of one rank is compiled whole: nothing to sync."""
+    if not isinstance(raw_model, FSDPModule):
+        nothing = SimpleNamespace(sync=lambda last: contextlib.nullcontext(), finish=lambda: None)
+        return torch.compile(raw_model) if use_compile else raw_model, nothing
+
     def sync(last):
-        model.set_requires_gradient_sync(last)
+        raw_model.set_requires_gradient_sync(last)
         return contextlib.nullcontext()
 
-    return SimpleNamespace(sync=sync, finish=lambda: None)
+    return raw_model, SimpleNamespace(sync=sync, finish=lambda: None)
+
+
+
+def local(tensor, whole=False):
+    """This rank's shard of a sharded tensor (whole=True: all shards, alike on every rank); one
+    rank's unsharded tensor as it is."""
+    if not isinstance(tensor, DTensor):
+        return tensor
+    return tensor.full_tensor() if whole else tensor.to_local()
 
 
 def built_config(cfg, task, meta):
@@ -732,7 +757,7 @@ def changed_settings(saved_config, cfg):
 def weights_are_finite(raw_model):
     """Each rank checks its shards, then all agree; one wait for the GPU, only before a checkpoint
     or the export."""
-    finite = torch.stack([torch.isfinite(p.to_local()).all() for p in raw_model.parameters()])
+    finite = torch.stack([torch.isfinite(local(p)).all() for p in raw_model.parameters()])
     finite = finite.all().float()
     dist.all_reduce(finite, op=dist.ReduceOp.MIN)
     return bool(finite)

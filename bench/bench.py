@@ -105,6 +105,13 @@ STAGES = {
                    "log_every": 10, "timeout_s": 240},
     "hf_trainer_compiled": {"sides": ["hf_trainer_compiled"], "shape": "A", "gpus": 1, "steps": 200,
                             "skip_steps": 20, "log_every": 10, "timeout_s": 270},
+    # train_fsdp.py against train_ddp.py on one GPU, micro-batches of 32 (the GPU default)
+    "fsdp_shapeA_1gpu": {"sides": ["ours", "ours_fsdp"], "shape": "A",
+                         "gpus": 1, "steps": 150, "skip_steps": 30, "log_every": 10,
+                         "timeout_s": 200, "batch": {"micro_batch_size": 32}},
+    "fsdp_shapeB_1gpu": {"sides": ["ours", "ours_fsdp"], "shape": "B", "gpus": 1, "steps": 40,
+                         "skip_steps": 10, "log_every": 5, "timeout_s": 280,
+                         "batch": {"micro_batch_size": 32}},
     # FSDP against DDP on a model both hold (shape B), then on one that DDP cannot hold on a 141 GB
     # H200 (16 bytes per parameter: weights, gradients, AdamW): 12.6B parameters
     "fsdp_shapeB_2gpu": {"sides": ["ours", "ours_fsdp"], "shape": "B", "gpus": 2, "steps": 30,
@@ -818,6 +825,7 @@ def nccl_transports(output):
 
 def run_ours(stage_name, stage, shape, batch, tiny, port, log, side="ours"):
     base_side = side.split(":", 1)[1] if side.startswith(("two_nodes:", "netns:")) else side
+    base_side = base_side.split("#")[0]  # "#2": a stage's second turn of the same side
     if tiny and "train.precision=fp16" in SIDE_OVERRIDES.get(base_side, []):
         return {"status": "skipped: fp16 needs a GPU"}
     if tiny and side == "variant:sync_debug":  # torch.cuda.set_sync_debug_mode asserts without CUDA
@@ -844,7 +852,7 @@ def run_ours(stage_name, stage, shape, batch, tiny, port, log, side="ours"):
         script = "train_ddp.py"
         intermediate_size = round(8 / 3 * shape["n_embd"] / 64) * 64
         overrides += [o.format(prometheus_port=port + 5, intermediate_size=intermediate_size)
-                      for o in CONFIG_SIDES[base_side.split(":", 1)[1].split("#")[0]]]
+                      for o in CONFIG_SIDES[base_side.split(":", 1)[1]]]
     command = ["bash", "launch.sh", script, *overrides, *stage.get("extra", []),
                *SIDE_OVERRIDES.get(base_side, []), *stage.get("side_extra", {}).get(side, [])]
     micro = [int(arg.split("=", 1)[1]) for arg in command
@@ -1569,6 +1577,20 @@ def figures(stage_records):
         row("fsdp_shapeB_2gpu_tokens_per_sec", fsdp.get("tokens_per_sec"), "tokens/s",
             "train_ddp.py, same shape, same call", ddp.get("tokens_per_sec"), fsdp.get("command"),
             ddp.get("command"), fsdp)
+    for shape in ["A", "B"]:  # one GPU: the mean of a stage's turns on each side
+        stage = by_stage.get(f"fsdp_shape{shape}_1gpu", {})
+        fsdp = [r for side, r in stage.items() if side.split("#")[0] == "ours_fsdp"]
+        ddp = [r for side, r in stage.items() if side.split("#")[0] == "ours"]
+        rates = [[r.get("tokens_per_sec") for r in sides] for sides in (fsdp, ddp)]
+        if fsdp and None not in rates[0] + rates[1]:
+            spread = max(r.get("tokens_per_sec_max_over_min") or 0 for r in fsdp)
+            row(f"fsdp_vs_ddp_shape{shape}_1gpu_tokens_per_sec", sum(rates[0]) / len(rates[0]),
+                "tokens/s", "train_ddp.py, same shape and batch, same call",
+                sum(rates[1]) / len(rates[1]), fsdp[0].get("command"), ddp[0].get("command"),
+                fsdp[0], note=f"FSDP {[round(x) for x in rates[0]]}, DDP "
+                              f"{[round(x) for x in rates[1]]}; FSDP's max/min over the window "
+                              f"{spread:.3f}; peak GiB FSDP {fsdp[0].get('peak_mem_gib')}, DDP "
+                              f"{ddp[0].get('peak_mem_gib')}")
     big = by_stage.get("fsdp_12b_2gpu", {}).get("ours_fsdp")
     if big:
         row("fsdp_12b_2gpu_tokens_per_sec", big.get("tokens_per_sec"), "tokens/s", None, None,
