@@ -19,6 +19,7 @@ import difflib
 import fcntl
 import functools
 import gc
+import importlib.util
 import json
 import math
 import os
@@ -104,6 +105,7 @@ def main():
     device = init_distributed(cfg, world_size, rank, use_cuda)
     precision = choose_precision(cfg.train.precision, device)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    dtype = torch.bfloat16 if precision == "fp8" else dtype  # fp8: bf16 around its float8 matmuls
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
     torch.set_float32_matmul_precision("high")  # let fp32 matmuls use TF32 tensor cores
     log0(f"world size {world_size} ({dist.get_backend()}, {device.type}), precision {precision}, "
@@ -127,6 +129,7 @@ def main():
     torch.manual_seed(cfg.train.seed)  # the same initial weights on every rank
     raw_model, attention = build_model(cfg, task, meta, device)
     tier_embedding(raw_model, data_dir, meta, cfg, precision, device)  # tiered
+    train_in_fp8(raw_model, cfg, device, use_compile, sharded=False)  # fp8
     raw_model.to(device)
     flops_of = model_flops_counter(raw_model, task, attention, cfg)  # per step, for MFU
     log0(f"model {raw_model.config.model_type} ({task}), "
@@ -766,7 +769,7 @@ CHOICES = {
     "model.task": ["auto", "causal", "mlm"],
     "model.attention": ["auto", "flash_attention_2", "sdpa", "eager"],
     "model.tie_word_embeddings": ["auto", "true", "false"],
-    "train.precision": ["auto", "bf16", "fp16", "fp32"],
+    "train.precision": ["auto", "bf16", "fp16", "fp32", "fp8"],
     "train.compile": ["auto", "true", "false"],
     "dist.backend": ["auto", "nccl", "gloo"],
     "dist.reducer": ["torch", "inline", "naive"],
@@ -2726,6 +2729,66 @@ class TieredEmbedding(torch.nn.Module):
         return torch.nn.Embedding.from_pretrained(weight, freeze=False,
                                                   padding_idx=self.padding_idx)
 # ============================================================================== tiered: end
+
+
+# ============================================================================== fp8: begin
+# train.precision=fp8: the repeated blocks' linear layers multiply in float8 through torchao's
+# float8 training (tensorwise recipe: one scale per tensor, from its current maximum), everything
+# else under bf16 autocast as train.precision=bf16. The weights stay fp32 parameters under the
+# same names, so checkpoints and the export are those of a bf16 run. MFU is counted against the
+# bf16 peak, so that the two precisions compare.
+
+def fp8_refusal(device, use_compile):
+    """Why fp8 cannot pay here, or None: it needs float8 tensor cores, torch.compile and torchao."""
+    if device.type != "cuda":
+        return ("train.precision=fp8 needs an NVIDIA GPU with float8 tensor cores (compute "
+                "capability 8.9: Ada, Hopper or later) -> use train.precision=bf16 or fp32 here")
+    capability = torch.cuda.get_device_capability(device)
+    if capability < (8, 9):
+        return (f"train.precision=fp8 needs float8 tensor cores (compute capability 8.9 or later), "
+                f"and {torch.cuda.get_device_name(device)} has {capability[0]}.{capability[1]} -> "
+                "use train.precision=bf16")
+    if not use_compile:
+        return ("train.precision=fp8 needs torch.compile: eager, each float8 cast is a kernel of "
+                "its own -> drop train.compile=false, or use train.precision=bf16")
+    if importlib.util.find_spec("torchao") is None:
+        return "train.precision=fp8 trains through torchao, not installed -> pip install torchao"
+    return None
+
+
+def fp8_layers(model):
+    """The layers fp8 trains: the nn.Linear layers of the repeated blocks whose sizes are multiples
+    of 16 (what float8 matmuls take). The embeddings, the output layer and any head stay in bf16."""
+    in_blocks = {id(module) for block in repeated_blocks(model) for module in block.modules()}
+    return [name for name, module in model.named_modules()
+            if id(module) in in_blocks and isinstance(module, torch.nn.Linear)
+            and module.in_features % 16 == 0 and module.out_features % 16 == 0]
+
+
+def train_in_fp8(model, cfg, device, use_compile, sharded):
+    """train.precision=fp8: fp8_layers become torchao's Float8Linear in place, before compile and
+    sharding. Sharded (FSDP2), the weights are also gathered in float8: half the bytes of bf16."""
+    if cfg.train.precision != "fp8":
+        return
+    refusal = fp8_refusal(device, use_compile)
+    if refusal:
+        die(refusal)
+    import dataclasses
+
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    chosen = set(fp8_layers(model))
+    if not chosen:
+        die(f"train.precision=fp8 converts the nn.Linear layers of a model's repeated blocks, and "
+            f"{model.config.model_type} has none with sizes in multiples of 16 (GPT-2's blocks use "
+            "Conv1D) -> use model.type=llama, bert or vit, or train.precision=bf16")
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name("tensorwise"),
+                                 enable_fsdp_float8_all_gather=sharded)
+    convert_to_float8_training(model, config=config,
+                               module_filter_fn=lambda module, name: name in chosen)
+    log0(f"fp8: {len(chosen)} linear layers multiply in float8 (torchao, tensorwise), the rest in "
+         "bf16; MFU is counted against the bf16 peak")
+# ============================================================================== fp8: end
 
 
 # ============================================================================== faults: begin

@@ -61,6 +61,7 @@ SHAPES = {
     "A": {"n_layer": 12, "n_head": 12, "n_embd": 768},
     "B": {"n_layer": 36, "n_head": 20, "n_embd": 1280},
     "12B": {"n_layer": 40, "n_head": 40, "n_embd": 5120},  # GPT-3 13B's layout: 12.6B parameters
+    "1.3B": {"n_layer": 24, "n_head": 16, "n_embd": 2048},  # the fp8 stages' Llama: 1.3B parameters
 }
 BATCH = {"vocab_size": 8192, "seq_len": 1024, "micro_batch_size": 16, "global_batch_size": 64}
 # --tiny: the same plumbing on a CPU, in seconds to minutes per stage
@@ -105,6 +106,13 @@ STAGES = {
                    "log_every": 10, "timeout_s": 240},
     "hf_trainer_compiled": {"sides": ["hf_trainer_compiled"], "shape": "A", "gpus": 1, "steps": 200,
                             "skip_steps": 20, "log_every": 10, "timeout_s": 270},
+    # train.precision=fp8 (torchao, needs it installed) against bf16 on a Llama of 1.3B parameters
+    # and one of shape B, micro-batches of 16 (4 a step); compiling takes about 3 minutes at 1.3B
+    "fp8_llama1p3b_1gpu": {"sides": ["config:llama", "config:llama_fp8"], "shape": "1.3B",
+                           "gpus": 1, "steps": 30, "skip_steps": 10, "log_every": 5,
+                           "timeout_s": 290, "budget_s": 580},
+    "fp8_shapeB_1gpu": {"sides": ["config:llama", "config:llama_fp8"], "shape": "B", "gpus": 1,
+                        "steps": 40, "skip_steps": 10, "log_every": 5, "timeout_s": 280},
     # train_fsdp.py against train_ddp.py on one GPU, micro-batches of 32 (the GPU default)
     "fsdp_shapeA_1gpu": {"sides": ["ours", "ours_fsdp"], "shape": "A",
                          "gpus": 1, "steps": 150, "skip_steps": 30, "log_every": 10,
@@ -326,6 +334,8 @@ CONFIG_SIDES = {
     "metrics_on": ["log.tensorboard=true", "log.prometheus_port={prometheus_port}",
                    "log.gpu_util=true"],
     "llama": ["model.type=llama", "model.intermediate_size={intermediate_size}"],
+    "llama_fp8": ["model.type=llama", "model.intermediate_size={intermediate_size}",
+                  "train.precision=fp8"],
     "eager": ["train.compile=false"],
     # fewer, larger micro-batches for the same global batch: fewer compiled-graph calls and kernel
     # launches on the host per token
@@ -1591,6 +1601,17 @@ def figures(stage_records):
                               f"{[round(x) for x in rates[1]]}; FSDP's max/min over the window "
                               f"{spread:.3f}; peak GiB FSDP {fsdp[0].get('peak_mem_gib')}, DDP "
                               f"{ddp[0].get('peak_mem_gib')}")
+    for name, label in [("fp8_llama1p3b_1gpu", "llama1p3b"), ("fp8_shapeB_1gpu", "shapeB")]:
+        stage = by_stage.get(name, {})
+        fp8, bf16 = stage.get("config:llama_fp8"), stage.get("config:llama") or {}
+        if fp8:
+            row(f"fp8_vs_bf16_{label}_1gpu_tokens_per_sec", fp8.get("tokens_per_sec"), "tokens/s",
+                "the same model in bf16, same call", bf16.get("tokens_per_sec"),
+                fp8.get("command"), bf16.get("command"), fp8,
+                note=f"peak GiB fp8 {fp8.get('peak_mem_gib')}, bf16 {bf16.get('peak_mem_gib')}; "
+                     f"loss at the last step fp8 {fp8.get('loss_last')}, bf16 "
+                     f"{bf16.get('loss_last')}; MFU (against the bf16 peak) fp8 {fp8.get('mfu')}, "
+                     f"bf16 {bf16.get('mfu')}")
     big = by_stage.get("fsdp_12b_2gpu", {}).get("ours_fsdp")
     if big:
         row("fsdp_12b_2gpu_tokens_per_sec", big.get("tokens_per_sec"), "tokens/s", None, None,
