@@ -4283,6 +4283,30 @@ with open(os.path.join(sys.argv[1], f"{os.getpid()}.pid"), "w") as pid_file:
     pid_file.write(str(os.getppid()))  # torchrun's pid
 time.sleep(120)
 """
+# Rank 1 says it began; both ranks wait for the go-ahead (a file, or a SIGTERM), then end as told:
+# a one-line error, a crash, or a stop after a checkpoint.
+ENDS_AS_TOLD = """import os, signal, sys, time
+go, ending = sys.argv[1:]
+rank = os.environ["RANK"]
+signal.signal(signal.SIGTERM, lambda *_: open(go, "a").close())
+if rank == "1":
+    print("reading shard 7", file=sys.stderr, flush=True)
+deadline = time.monotonic() + 30
+while not os.path.exists(go):
+    if time.monotonic() > deadline:
+        sys.exit("no go-ahead came: the line above did not reach the test at once")
+    time.sleep(0.05)
+if ending == "stop":
+    if rank == "0":
+        print("stopped at step 5 by a stop signal; checkpoint ckpt/step_000005 is written",
+              file=sys.stderr)
+    sys.exit(3)
+if rank == "1" and ending == "error":
+    print("error: shard 7 is truncated -> run preprocess.py again", file=sys.stderr)
+    sys.exit(2)
+if rank == "1":
+    raise ValueError("a bug")
+"""
 
 
 def launch_script(tmp_path, source, *args, env_extra=None, popen=False):
@@ -4324,6 +4348,45 @@ def test_a_failed_run_names_the_rank_and_its_error_line_or_its_last_stderr_lines
         # the last attempt: MAX_RESTARTS=1 restarted it once
         assert "attempt_1/1/stderr.log" in failure[0]
         assert result.stderr.split(failure[0])[1].splitlines()[1] == "    reading shard 7"
+
+
+@pytest.mark.parametrize("ending", ["error", "stop", "crash"])
+def test_a_rank_that_says_why_in_one_line_ends_without_torchruns_traceback_a_crash_keeps_it(
+        tmp_path, ending):
+    """torchrun ends a failure (or a stop) with its own traceback and summary of the ranks: after
+    the trainer's one-line error or stop line that is noise, after a crash it is kept. Lines stream
+    as they come, and the exit code is launch.sh's: 2 a mistake, 3 stopped, 1 a crash."""
+    go = tmp_path / "go"
+    launch = launch_script(tmp_path, ENDS_AS_TOLD, go, ending, env_extra={"MAX_RESTARTS": "0"},
+                           popen=True)
+    try:
+        seen = []
+        for line in launch.stderr:  # while the ranks wait: the line came at once
+            seen.append(line)
+            if "reading shard 7" in line:
+                break
+        if ending == "stop":
+            launch.send_signal(signal.SIGTERM)
+        else:
+            go.touch()
+        stdout, stderr = launch.communicate(timeout=60)
+    finally:
+        kill_process_tree(launch.pid)
+    stderr = "".join(seen) + stderr
+    lines = stderr.splitlines()
+    assert launch.returncode == {"error": 2, "stop": 3, "crash": 1}[ending], stdout + stderr
+    assert "no go-ahead came" not in stderr, stderr
+    if ending == "crash":  # the worker's traceback, torchrun's summary, then launch.sh's line
+        assert "[default1]:ValueError: a bug" in stderr
+        summary = lines.index("Root Cause (first observed failure):")
+        assert summary < [n for n, line in enumerate(lines) if line.startswith("FAIL:")][0]
+        return
+    assert "Traceback" not in stderr and "Root Cause" not in stderr, stderr
+    ending_line = {"error": "[default1]:error: shard 7 is truncated -> run preprocess.py again",
+                   "stop": "[default0]:stopped at step 5 by a stop signal"}[ending]
+    assert any(line.startswith(ending_line) for line in lines), stderr
+    assert lines[-1].startswith({"error": "FAIL: worker.py failed: rank 1 exited first",
+                                 "stop": "stopped at step 5 by a stop signal"}[ending]), stderr
 
 
 def test_launch_prepares_the_default_data_however_the_config_names_it_and_no_other(tmp_path):
