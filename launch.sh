@@ -28,7 +28,8 @@
 # does not restart workers after a signal it got; workers that got one alone end every restart at
 # once. A second Ctrl-C at a terminal kills torchrun and its workers at once, without a checkpoint.
 # Exit codes: 0 done; 1 a rank failed or was lost (a restart may help); 2 a mistake to fix (a check
-# failed, or the first rank to fail exited 2); 3 stopped (a checkpoint written: run it again to go on).
+# failed, or the first rank to fail exited 2); 3 stopped (a checkpoint written: the last line says
+# how to go on).
 # (Not SIGINT when this script starts with SIGINT ignored, as background jobs of another script do:
 # bash cannot trap a signal ignored on entry. SIGTERM works there too.)
 # Slurm: `#SBATCH --signal=TERM@120` asks Slurm to send SIGTERM to the job's steps (this script,
@@ -250,6 +251,7 @@ check_config() {  # the trainer validates its own config (types, unknown keys, b
   DATA_DIR=$(sed -n 's/^data\.dir=//p' <<<"$output")
   DATA_KIND=$(sed -n 's/^data\.kind=//p' <<<"$output")
   CKPT_DIR=$(sed -n 's/^checkpoint\.dir=//p' <<<"$output")
+  CKPT_RESUME=$(sed -n 's/^checkpoint\.resume=//p' <<<"$output")
   TIMEOUT_S=$(sed -n 's/^dist\.timeout_s=//p' <<<"$output")
   report "config" "ok (collective timeout ${TIMEOUT_S}s from dist.timeout_s)"
 }
@@ -487,11 +489,17 @@ report_failure() {
 }
 
 restarts=$(basename "$(last_attempt_dir)" | sed -n 's/^attempt_//p')
+# with checkpoint.resume=never or a step_* directory the same command would refuse the
+# checkpoints this run wrote
+GO_ON="run the same command again"
+if [ -n "${CKPT_RESUME:-}" ] && [ "$CKPT_RESUME" != auto ]; then
+  GO_ON="run the same command with checkpoint.resume=auto added"
+fi
 # the trainer's line when it stopped after a checkpoint, from any rank of any attempt
 stop_line=$(grep -rh '^stopped at step' "$RUN_LOG_DIR" 2>/dev/null | sed -n 1p || true)
 if [ -n "$STOPPED_AT_ONCE" ]; then
   show_held_back
-  echo "stopped at once by a second Ctrl-C: torchrun and its workers were killed, without a checkpoint of this step -> run the same command again to resume from the newest checkpoint (logs: $RUN_LOG_DIR)" >&2
+  echo "stopped at once by a second Ctrl-C: torchrun and its workers were killed, without a checkpoint of this step -> $GO_ON to resume from the newest checkpoint (logs: $RUN_LOG_DIR)" >&2
   exit 130
 fi
 if [ -n "$stop_line" ]; then
@@ -500,7 +508,7 @@ if [ -n "$stop_line" ]; then
 fi
 if [ -n "$STOPPED_BY" ]; then
   show_held_back
-  echo "FAIL: stopped by SIG$STOPPED_BY, passed on to torchrun and the workers, which have exited (logs: $RUN_LOG_DIR) -> run the same command again to continue: the trainer resumes from its newest checkpoint" >&2
+  echo "FAIL: stopped by SIG$STOPPED_BY, passed on to torchrun and the workers, which have exited (logs: $RUN_LOG_DIR) -> $GO_ON to continue: the trainer resumes from its newest checkpoint" >&2
   [ "$STOPPED_BY" = INT ] && exit 130
   exit 143
 fi

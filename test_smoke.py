@@ -4307,11 +4307,24 @@ if rank == "1" and ending == "error":
 if rank == "1":
     raise ValueError("a bug")
 """
+# launch.sh's config check asks a trainer for these (its data and checkpoints beside it); this one
+# then sleeps
+FAKE_TRAINER = """import os, sys, time
+if "--check" in sys.argv:
+    here = os.path.dirname(os.path.abspath(__file__))
+    resume = [arg for arg in sys.argv if arg.startswith("checkpoint.resume=")]
+    print(f"data.dir={here}/data", f"checkpoint.dir={here}/ckpt",
+          (resume or ["checkpoint.resume=auto"])[-1], "dist.timeout_s=60", "data.kind=text",
+          sep="\\n")
+    sys.exit()
+print("training", flush=True)
+time.sleep(120)
+"""
 
 
-def launch_script(tmp_path, source, *args, env_extra=None, popen=False):
+def launch_script(tmp_path, source, *args, env_extra=None, popen=False, name="worker.py"):
     """launch.sh with a throwaway worker script on 2 CPU processes; its logs in tmp_path/logs."""
-    script = tmp_path / "worker.py"
+    script = tmp_path / name
     script.write_text(source)
     env = {"LAUNCH_DEVICE": "cpu", "NNODES": "1", "NODE_RANK": "0", "NPROC_PER_NODE": "2",
            "MASTER_PORT": str(free_port()), "LOG_DIR": str(tmp_path / "logs"), **(env_extra or {})}
@@ -4444,6 +4457,32 @@ def test_sigterm_to_launch_stops_torchrun_and_every_worker_and_exits_non_zero(tm
     assert launch.returncode == 143, stdout + stderr
     assert "FAIL: stopped by SIGTERM" in stderr
     assert not survivors
+
+
+@pytest.mark.parametrize("resume, command", [
+    ("auto", "run the same command again"),
+    ("never", "run the same command with checkpoint.resume=auto added"),
+])
+def test_a_launch_stopped_before_the_trainers_line_names_the_command_that_resumes(tmp_path, resume,
+                                                                                   command):
+    """With checkpoint.resume=never the same command would refuse the checkpoints it wrote."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "meta.json").write_text("{}")
+    launch = launch_script(tmp_path, FAKE_TRAINER, f"checkpoint.resume={resume}", popen=True,
+                           name="train_fake.py")
+    try:
+        seen = []
+        for line in launch.stdout:
+            seen.append(line)
+            if line.startswith("training"):
+                break
+        launch.send_signal(signal.SIGTERM)
+        stdout, stderr = launch.communicate(timeout=60)
+    finally:
+        kill_process_tree(launch.pid)
+    assert launch.returncode == 143, "".join(seen) + stdout + stderr
+    failure = [line for line in stderr.splitlines() if line.startswith("FAIL: stopped by SIGTERM")]
+    assert len(failure) == 1 and f"-> {command} to continue" in failure[0], stderr
 
 
 # ---- launch.sh: two hosts ------------------------------------------------------------------------
