@@ -24,6 +24,7 @@ import itertools
 import json
 import os
 import platform
+import re
 import shutil
 import sys
 import sysconfig
@@ -387,6 +388,36 @@ def parse_args():
     return args
 
 
+class ConfigLoader(yaml.SafeLoader):
+    """config.yaml as the trainers read it: a key given twice is an error; 2e-2 is a float; 010 and
+    0x10 are text, not 8 and 16, and only true and false are booleans (not yes, no, on, off)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen_at = {}
+        for key_node, _ in node.value:
+            if isinstance(key_node, yaml.ScalarNode) and key_node.value != "<<":  # << merges
+                if key_node.value in seen_at:
+                    raise yaml.constructor.ConstructorError(
+                        problem=f"'{key_node.value}' is given twice, first at line "
+                                f"{seen_at[key_node.value]}", problem_mark=key_node.start_mark)
+                seen_at[key_node.value] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep)
+
+
+ConfigLoader.yaml_implicit_resolvers = {
+    first: [(tag, pattern) for tag, pattern in resolvers
+            if tag.rpartition(":")[2] not in ("bool", "int", "float")]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+for kind, pattern, first_chars in [
+        ("bool", r"^(?:true|True|TRUE|false|False|FALSE)$", "tTfF"),
+        ("int", r"^[-+]?(?:0|[1-9][0-9_]*)$", "-+0123456789"),
+        ("float", r"^[-+]?(?:[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?|\.[0-9][0-9_]*"
+                  r"(?:[eE][-+]?[0-9]+)?|[0-9][0-9_]*[eE][-+]?[0-9]+|\.(?:inf|Inf|INF))$"
+                  r"|^\.(?:nan|NaN|NAN)$", "-+0123456789.")]:
+    ConfigLoader.add_implicit_resolver(f"tag:yaml.org,2002:{kind}", re.compile(pattern),
+                                       first_chars)
+
+
 def read_data_config(config_arg):
     config_path = Path(config_arg) if config_arg else Path(__file__).parent / "config.yaml"
     if not config_path.exists():
@@ -394,23 +425,31 @@ def read_data_config(config_arg):
             die(f"config {config_path} does not exist -> check the path, or leave --config out")
         return dict(DEFAULTS)
     try:
-        data = (yaml.safe_load(config_path.read_text()) or {}).get("data") or {}
-    except (yaml.YAMLError, OSError, AttributeError) as error:
+        tree = yaml.load(config_path.read_text(), Loader=ConfigLoader)
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "somewhere"
+        problem = getattr(error, "problem", None) or error
+        die(f"{config_path} is not valid YAML at {where} ({problem}) -> fix that line")
+    except OSError as error:
         die(f"cannot read {config_path}: {error} -> fix it: a YAML mapping with a data: section")
+    if not isinstance(tree, (dict, type(None))):
+        die(f"{config_path} is a {type(tree).__name__}, not a mapping -> fix it: a YAML mapping "
+            "with a data: section")
+    data = (tree or {}).get("data")
+    data = {} if data is None else data
     if not isinstance(data, dict):
         die(f"data: in {config_path} is a {type(data).__name__}, not a mapping "
             "-> write it as data: followed by indented key: value lines")
     values = {}
     for key, default in DEFAULTS.items():
         value = data.get(key, default)
-        try:  # float("2e-2"): plain YAML reads an exponent without a dot as a string
-            # str([1]) would make a directory named "[1]"
-            if isinstance(value, (list, dict)) or value is None:
-                raise TypeError
-            values[key] = type(default)(value)
-        except (TypeError, ValueError):
+        if isinstance(default, float) and type(value) is int:
+            value = float(value)
+        if type(value) is not type(default):  # a bool is no int here, and "010" no number
             die(f"data.{key}={value!r} in {config_path} is not a {type(default).__name__} "
                 "-> fix it there")
+        values[key] = value
     return values
 
 

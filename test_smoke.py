@@ -547,6 +547,37 @@ def test_preprocess_reads_exponent_floats_from_the_config(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("text, expected", [
+    # a key given twice: one line naming the key and both its lines
+    ("data:\n  vocab_size: 512\n  dir: d\n  vocab_size: 1024\n",
+     "at line 4, column 3 ('vocab_size' is given twice, first at line 2) -> "),
+    ("data:\n  dir: a\ntrain:\n  max_steps: 9\ndata:\n  dir: b\n",
+     "at line 5, column 1 ('data' is given twice, first at line 1) -> "),
+    # YAML 1.1 reads these as other numbers or booleans
+    ("data:\n  vocab_size: 010\n", "data.vocab_size='010' in "),
+    ("data:\n  vocab_size: yes\n", "data.vocab_size='yes' in "),
+    ("data:\n  dir: 010\n", {"dir": "010"}),
+    ("data:\n  dir: off\n", {"dir": "off"}),
+    ("data:\n  dir: data/mine\n  vocab_size: 1_024\n  val_fraction: 5e-2\n",
+     {"dir": "data/mine", "vocab_size": 1024, "val_fraction": 0.05}),
+])
+def test_preprocess_reads_the_config_as_the_trainers_do_and_a_key_given_twice_is_an_error(
+        tmp_path, capsys, text, expected):
+    config = tmp_path / "config.yaml"
+    config.write_text(text)
+    if isinstance(expected, dict):
+        assert {key: preprocess.read_data_config(str(config))[key] for key in expected} == expected
+        trainers_view = preprocess.yaml.load(text, Loader=train_ddp.ConfigLoader)["data"]
+        assert {key: trainers_view[key] for key in expected} == expected
+        return
+    with pytest.raises(SystemExit) as ended:
+        preprocess.read_data_config(str(config))
+    error = capsys.readouterr().err
+    assert ended.value.code == 2 and error.count("\n") == 1, error
+    assert error.startswith(f"error: {config}" if "twice" in expected else "error: "), error
+    assert expected in error and str(config) in error and " -> " in error, error
+
+
 def test_rerun_is_noop_changed_inputs_need_force(tmp_path, corpus):
     inputs, _ = corpus
     out = tmp_path / "out"
