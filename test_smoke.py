@@ -840,6 +840,38 @@ def test_images_of_16_and_32_bit_modes_are_scaled_by_their_own_range_and_a_note_
     assert all(64 < pixels[row].mean() < 192 for row in (1, 2, 3))  # neither white nor black
 
 
+def test_float_images_with_nan_or_inf_pixels_are_scaled_by_their_finite_pixels_and_a_note_says_so(
+        tmp_path):
+    """NaN or inf in a float image (mode F, as TIFFs hold) would make its min..max scaling NaN: the
+    finite pixels give the range, the others become 0, and one note counts and names the files. An
+    image with no finite pixel does not decode."""
+    folder, out = tmp_path / "folder", tmp_path / "out"
+    for name in IMAGE_CLASSES:
+        (folder / name).mkdir(parents=True)
+        Image.new("RGB", (20, 16), "grey").save(folder / name / "plain.jpg")
+    ramp = np.linspace(-3, 5, 16 * 18, dtype=np.float32).reshape(18, 16)
+    holes, dark = ramp.copy(), ramp.copy()
+    holes[2, 3], holes[7, 7], holes[9, 1] = np.nan, np.inf, -np.inf
+    dark[0, 0] = np.nan  # the minimum itself
+    Image.fromarray(holes).save(folder / "dog/holes.tif")
+    Image.fromarray(dark).save(folder / "cat/dark.tif")
+    result = run_preprocess("--images", folder, "--out", out, "--image-size", 16,
+                            "--val-fraction", 0, "--workers", 1)
+    assert result.returncode == 0, result.stderr
+    notes = [line for line in result.stdout.splitlines() if "NaN" in line]
+    assert notes == ["note: 2 images had NaN or infinite pixels (cat/dark.tif, dog/holes.tif): "
+                     "each scaled by the range of its finite pixels, and those pixels set to 0"], \
+        result.stdout
+    pixels, _ = read_images(out, "train")  # cat/dark.tif, cat/plain.jpg, dog/holes.tif, ...
+    for row, image in ((0, dark), (2, holes)):
+        finite = np.isfinite(image)
+        (tmp_path / "filled.tif").unlink(missing_ok=True)
+        Image.fromarray(np.where(finite, image, image[finite].min())).save(tmp_path / "filled.tif")
+        assert np.array_equal(pixels[row], pillow_reference(tmp_path / "filled.tif", 16)), row
+    with pytest.raises(ValueError, match="every pixel is NaN or infinite"):
+        preprocess.to_rgb(Image.fromarray(np.full((8, 8), np.nan, np.float32)))
+
+
 def test_images_in_one_folder_are_split_by_a_hash_of_each_path_that_adding_images_does_not_change(
         tmp_path):
     folder = tmp_path / "folder"
