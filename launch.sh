@@ -28,7 +28,8 @@
 # does not restart workers after a signal it got; workers that got one alone end every restart at
 # once. A second Ctrl-C at a terminal kills torchrun and its workers at once, without a checkpoint.
 # Exit codes: 0 done; 1 a rank failed or was lost (a restart may help); 2 a mistake to fix (a check
-# failed, or the first rank to fail exited 2); 3 stopped (a checkpoint written: run it again to go on).
+# failed, or the first rank to fail exited 2); 3 stopped (a checkpoint written: the last line says
+# how to go on).
 # (Not SIGINT when this script starts with SIGINT ignored, as background jobs of another script do:
 # bash cannot trap a signal ignored on entry. SIGTERM works there too.)
 # Slurm: `#SBATCH --signal=TERM@120` asks Slurm to send SIGTERM to the job's steps (this script,
@@ -250,6 +251,7 @@ check_config() {  # the trainer validates its own config (types, unknown keys, b
   DATA_DIR=$(sed -n 's/^data\.dir=//p' <<<"$output")
   DATA_KIND=$(sed -n 's/^data\.kind=//p' <<<"$output")
   CKPT_DIR=$(sed -n 's/^checkpoint\.dir=//p' <<<"$output")
+  CKPT_RESUME=$(sed -n 's/^checkpoint\.resume=//p' <<<"$output")
   TIMEOUT_S=$(sed -n 's/^dist\.timeout_s=//p' <<<"$output")
   report "config" "ok (collective timeout ${TIMEOUT_S}s from dist.timeout_s)"
 }
@@ -385,14 +387,41 @@ stop_torchrun() {  # trap for SIGTERM and SIGINT, set before torchrun starts
 trap 'stop_torchrun TERM' TERM
 trap 'stop_torchrun INT' INT
 
-# torchrun's own messages go to a file and, through tail (GNU: --pid), to stderr: its summary of a
-# failure names the rank that failed first, which the report below needs.
+# torchrun's traceback and summary of the ranks at its end: shown below if no rank's line said why
+HELD_BACK=$RUN_LOG_DIR/torchrun-traceback.log
+# Lines pass on as they come; a traceback of torchrun's own (a worker's line starts [default<N>]:)
+# waits for its exception: ChildFailedError or SignalException go, with what follows, to HELD_BACK.
+hold_back_torchruns_traceback() {
+  local line held=()
+  while IFS= read -r line || [ -n "$line" ]; do
+    if [ ${#held[@]} -eq 0 ] && [ "$line" != "Traceback (most recent call last):" ]; then
+      printf '%s\n' "$line"
+      continue
+    fi
+    held+=("$line")
+    case "$line" in
+      "Traceback (most recent call last):" | " "*) ;;
+      *.ChildFailedError:* | *.SignalException:*)
+        { printf '%s\n' "${held[@]}"; cat; } >"$HELD_BACK"
+        return ;;
+      *) printf '%s\n' "${held[@]}"; held=() ;;
+    esac
+  done
+  if [ ${#held[@]} -gt 0 ]; then printf '%s\n' "${held[@]}"; fi
+}
+show_held_back() { if [ -f "$HELD_BACK" ]; then cat "$HELD_BACK" >&2; fi; }
+
+# torchrun's own messages go to a file and, through tail (GNU: --pid) and the filter above, to
+# stderr: its summary of a failure names the rank that failed first, which the report below needs.
 echo "launching: ${TORCHRUN[*]}"
 STARTING=1  # a signal from here on is passed on once torchrun's PID is known
 "${TORCHRUN[@]}" 2>>"$RUN_LOG_DIR/torchrun.log" &
 TORCHRUN_PID=$!
 if [ -n "$STOPPED_BY" ]; then kill -TERM "$TORCHRUN_PID" 2>/dev/null || true; fi
-tail -n +1 -s 0.2 -f --pid="$TORCHRUN_PID" "$RUN_LOG_DIR/torchrun.log" >&2 &
+# deaf to SIGTERM, which Slurm sends to every process: the stream lasts until torchrun has exited
+( trap '' TERM
+  tail -n +1 -s 0.2 -f --pid="$TORCHRUN_PID" "$RUN_LOG_DIR/torchrun.log" |
+    hold_back_torchruns_traceback >&2 ) &
 TAIL_PID=$!
 live_children() {  # whether a process has a child that has not ended (a zombie has)
   local child
@@ -435,6 +464,7 @@ report_failure() {
     "$RUN_LOG_DIR/torchrun.log" | sed -n 1p)
   FIRST_EXIT_CODE=$exit_code
   if [ -z "${local_rank:-}" ] || [ -z "$attempt_dir" ]; then
+    show_held_back
     echo "FAIL: torchrun exited with status $status before any worker failed -> its messages above say why (also in $RUN_LOG_DIR/torchrun.log)" >&2
     return
   fi
@@ -445,6 +475,11 @@ report_failure() {
     error_line=$(grep -m1 '^error:' "$file" 2>/dev/null || true)
     [ -n "$error_line" ] && break
   done
+  # after a crash (a traceback in a rank's stderr) torchrun's summary stays, whatever else was said
+  if [ -z "$error_line" ] ||
+     grep -qs '^Traceback (most recent call last):' "$attempt_dir"/*/stderr.log; then
+    show_held_back
+  fi
   if [ -n "$error_line" ]; then
     echo "FAIL: $(basename "$SCRIPT") failed: rank $rank exited first (exit code $exit_code); local rank $(basename "$(dirname "$file")") wrote \"$error_line\" (logs: $RUN_LOG_DIR)" >&2
   else
@@ -454,10 +489,17 @@ report_failure() {
 }
 
 restarts=$(basename "$(last_attempt_dir)" | sed -n 's/^attempt_//p')
+# with checkpoint.resume=never or a step_* directory the same command would refuse the
+# checkpoints this run wrote
+GO_ON="run the same command again"
+if [ -n "${CKPT_RESUME:-}" ] && [ "$CKPT_RESUME" != auto ]; then
+  GO_ON="run the same command with checkpoint.resume=auto added"
+fi
 # the trainer's line when it stopped after a checkpoint, from any rank of any attempt
 stop_line=$(grep -rh '^stopped at step' "$RUN_LOG_DIR" 2>/dev/null | sed -n 1p || true)
 if [ -n "$STOPPED_AT_ONCE" ]; then
-  echo "stopped at once by a second Ctrl-C: torchrun and its workers were killed, without a checkpoint of this step -> run the same command again to resume from the newest checkpoint (logs: $RUN_LOG_DIR)" >&2
+  show_held_back
+  echo "stopped at once by a second Ctrl-C: torchrun and its workers were killed, without a checkpoint of this step -> $GO_ON to resume from the newest checkpoint (logs: $RUN_LOG_DIR)" >&2
   exit 130
 fi
 if [ -n "$stop_line" ]; then
@@ -465,7 +507,8 @@ if [ -n "$stop_line" ]; then
   exit 3
 fi
 if [ -n "$STOPPED_BY" ]; then
-  echo "FAIL: stopped by SIG$STOPPED_BY, passed on to torchrun and the workers, which have exited (logs: $RUN_LOG_DIR) -> run the same command again to continue: the trainer resumes from its newest checkpoint" >&2
+  show_held_back
+  echo "FAIL: stopped by SIG$STOPPED_BY, passed on to torchrun and the workers, which have exited (logs: $RUN_LOG_DIR) -> $GO_ON to continue: the trainer resumes from its newest checkpoint" >&2
   [ "$STOPPED_BY" = INT ] && exit 130
   exit 143
 fi

@@ -24,6 +24,7 @@ import itertools
 import json
 import os
 import platform
+import re
 import shutil
 import sys
 import sysconfig
@@ -387,6 +388,36 @@ def parse_args():
     return args
 
 
+class ConfigLoader(yaml.SafeLoader):
+    """config.yaml as the trainers read it: a key given twice is an error; 2e-2 is a float; 010 and
+    0x10 are text, not 8 and 16, and only true and false are booleans (not yes, no, on, off)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen_at = {}
+        for key_node, _ in node.value:
+            if isinstance(key_node, yaml.ScalarNode) and key_node.value != "<<":  # << merges
+                if key_node.value in seen_at:
+                    raise yaml.constructor.ConstructorError(
+                        problem=f"'{key_node.value}' is given twice, first at line "
+                                f"{seen_at[key_node.value]}", problem_mark=key_node.start_mark)
+                seen_at[key_node.value] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep)
+
+
+ConfigLoader.yaml_implicit_resolvers = {
+    first: [(tag, pattern) for tag, pattern in resolvers
+            if tag.rpartition(":")[2] not in ("bool", "int", "float")]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+for kind, pattern, first_chars in [
+        ("bool", r"^(?:true|True|TRUE|false|False|FALSE)$", "tTfF"),
+        ("int", r"^[-+]?(?:0|[1-9][0-9_]*)$", "-+0123456789"),
+        ("float", r"^[-+]?(?:[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?|\.[0-9][0-9_]*"
+                  r"(?:[eE][-+]?[0-9]+)?|[0-9][0-9_]*[eE][-+]?[0-9]+|\.(?:inf|Inf|INF))$"
+                  r"|^\.(?:nan|NaN|NAN)$", "-+0123456789.")]:
+    ConfigLoader.add_implicit_resolver(f"tag:yaml.org,2002:{kind}", re.compile(pattern),
+                                       first_chars)
+
+
 def read_data_config(config_arg):
     config_path = Path(config_arg) if config_arg else Path(__file__).parent / "config.yaml"
     if not config_path.exists():
@@ -394,23 +425,31 @@ def read_data_config(config_arg):
             die(f"config {config_path} does not exist -> check the path, or leave --config out")
         return dict(DEFAULTS)
     try:
-        data = (yaml.safe_load(config_path.read_text()) or {}).get("data") or {}
-    except (yaml.YAMLError, OSError, AttributeError) as error:
+        tree = yaml.load(config_path.read_text(), Loader=ConfigLoader)
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "somewhere"
+        problem = getattr(error, "problem", None) or error
+        die(f"{config_path} is not valid YAML at {where} ({problem}) -> fix that line")
+    except OSError as error:
         die(f"cannot read {config_path}: {error} -> fix it: a YAML mapping with a data: section")
+    if not isinstance(tree, (dict, type(None))):
+        die(f"{config_path} is a {type(tree).__name__}, not a mapping -> fix it: a YAML mapping "
+            "with a data: section")
+    data = (tree or {}).get("data")
+    data = {} if data is None else data
     if not isinstance(data, dict):
         die(f"data: in {config_path} is a {type(data).__name__}, not a mapping "
             "-> write it as data: followed by indented key: value lines")
     values = {}
     for key, default in DEFAULTS.items():
         value = data.get(key, default)
-        try:  # float("2e-2"): plain YAML reads an exponent without a dot as a string
-            # str([1]) would make a directory named "[1]"
-            if isinstance(value, (list, dict)) or value is None:
-                raise TypeError
-            values[key] = type(default)(value)
-        except (TypeError, ValueError):
+        if isinstance(default, float) and type(value) is int:
+            value = float(value)
+        if type(value) is not type(default):  # a bool is no int here, and "010" no number
             die(f"data.{key}={value!r} in {config_path} is not a {type(default).__name__} "
                 "-> fix it there")
+        values[key] = value
     return values
 
 
@@ -1141,9 +1180,9 @@ def digits_source():
 # ---- images: decode in a process pool, write shards ----------------------------------------------
 
 def decode_image(task):
-    """(pixels, channel sums, channel sums of squares, shorter side, its mode if to_rgb scaled it)
-    of one image, as the trainer reads them: RGB, the shorter side resized to size (bicubic), the
-    centre size x size; or the reason it does not decode."""
+    """(pixels, channel sums, channel sums of squares, shorter side, its mode if to_rgb scaled it,
+    whether it has NaN or infinite pixels) of one image, as the trainer reads them: RGB, the shorter
+    side resized to size (bicubic), the centre size x size; or the reason it does not decode."""
     import io
     from PIL import Image
     data, size = task
@@ -1157,6 +1196,7 @@ def decode_image(task):
         with image:
             image.load()
             scaled_mode = image.mode if image.mode in WIDE_MODES else None
+            has_non_finite = image.mode == "F" and not np.isfinite(np.asarray(image)).all()
             rgb = to_rgb(image)
     except Image.UnidentifiedImageError:
         return "not an image Pillow reads"
@@ -1173,7 +1213,7 @@ def decode_image(task):
                        for channel in range(3)])
     levels = np.arange(256, dtype=np.int64)
     return (pixels.tobytes(), counts @ levels, counts @ (levels * levels), min(width, height),
-            scaled_mode)
+            scaled_mode, has_non_finite)
 
 
 # 16- and 32-bit grey, integer or float: Pillow's convert("RGB") clips their values to 0..255
@@ -1184,13 +1224,18 @@ def to_rgb(image):
     """An image as transformers' load_image hands it to the exported pipeline: turned upright by
     its EXIF orientation, then Pillow's convert("RGB"), which drops alpha and ignores a CMYK ICC
     profile. WIDE_MODES, which that would clip, are first scaled from the image's own minimum and
-    maximum to 0..255: pass the pipeline to_rgb(Image.open(path)) for those."""
+    maximum to 0..255 (of its finite pixels: NaN and inf become 0): pass the pipeline
+    to_rgb(Image.open(path)) for those."""
     import warnings
     from PIL import Image, ImageOps
     image = ImageOps.exif_transpose(image)
     if image.mode in WIDE_MODES:
         values = np.asarray(image, dtype=np.float64)
-        low, high = values.min(), values.max()
+        finite = np.isfinite(values)  # a NaN or inf (mode F) would make every scaled pixel NaN
+        if not finite.any():
+            raise ValueError("every pixel is NaN or infinite")
+        low, high = values[finite].min(), values[finite].max()
+        values = np.where(finite, values, low)
         scaled = (values - low) * (255 / (high - low) if high > low else 0)
         image = Image.fromarray(np.round(scaled).astype(np.uint8))
     with warnings.catch_warnings():
@@ -1254,6 +1299,7 @@ def write_image_shards(source, out_dir, size, val_fraction, workers, upsample=Fa
     sums, squares = np.zeros(3, np.int64), np.zeros(3, np.int64)
     skipped, small, small_count, smallest, done = [], [], 0, size, 0
     scaled = Counter()  # images of WIDE_MODES, by mode
+    non_finite = []  # images with NaN or infinite pixels
     passed_over, tried_and_failed, train_counts = list(source["passed_over"]), 0, Counter()
     # a class the hash would hold out whole trains on its first image: else no model could learn it
     to_train = first_keys_held_out(source["to_split"], val_fraction) if val_fraction < 1 else ()
@@ -1268,9 +1314,12 @@ def write_image_shards(source, out_dir, size, val_fraction, workers, upsample=Fa
                 else:
                     skipped.append((key, result))
                 continue
-            pixels, channel_sums, channel_squares, shorter_side, scaled_mode = result
+            (pixels, channel_sums, channel_squares, shorter_side, scaled_mode,
+             has_non_finite) = result
             if scaled_mode:
                 scaled[scaled_mode] += 1
+            if has_non_finite:
+                non_finite.append(key)
             if split is None:
                 split = "val" if key not in to_train and is_val(key, val_fraction) else "train"
             rows[split][0].append(pixels)
@@ -1322,6 +1371,10 @@ def write_image_shards(source, out_dir, size, val_fraction, workers, upsample=Fa
         print(f"note: scaled {scaled.total():,} images of 16- or 32-bit modes ({modes}) to 8 bits, "
               "each from its own minimum..maximum to 0..255; the exported pipeline would clip them "
               "(Pillow's convert) -> pass it preprocess.to_rgb(Image.open(path)), not the path")
+    if non_finite:
+        print(f"note: {len(non_finite):,} images had NaN or infinite pixels ("
+              + ", ".join(shown(key) for key in non_finite[:3]) + ", ..." * (len(non_finite) > 3)
+              + "): each scaled by the range of its finite pixels, and those pixels set to 0")
     untrained = [name for label, name in enumerate(source["classes"]) if not train_counts[label]]
     if untrained:
         print(f"warning: {len(untrained)} of {len(source['classes'])} classes have no image in "

@@ -547,6 +547,37 @@ def test_preprocess_reads_exponent_floats_from_the_config(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("text, expected", [
+    # a key given twice: one line naming the key and both its lines
+    ("data:\n  vocab_size: 512\n  dir: d\n  vocab_size: 1024\n",
+     "at line 4, column 3 ('vocab_size' is given twice, first at line 2) -> "),
+    ("data:\n  dir: a\ntrain:\n  max_steps: 9\ndata:\n  dir: b\n",
+     "at line 5, column 1 ('data' is given twice, first at line 1) -> "),
+    # YAML 1.1 reads these as other numbers or booleans
+    ("data:\n  vocab_size: 010\n", "data.vocab_size='010' in "),
+    ("data:\n  vocab_size: yes\n", "data.vocab_size='yes' in "),
+    ("data:\n  dir: 010\n", {"dir": "010"}),
+    ("data:\n  dir: off\n", {"dir": "off"}),
+    ("data:\n  dir: data/mine\n  vocab_size: 1_024\n  val_fraction: 5e-2\n",
+     {"dir": "data/mine", "vocab_size": 1024, "val_fraction": 0.05}),
+])
+def test_preprocess_reads_the_config_as_the_trainers_do_and_a_key_given_twice_is_an_error(
+        tmp_path, capsys, text, expected):
+    config = tmp_path / "config.yaml"
+    config.write_text(text)
+    if isinstance(expected, dict):
+        assert {key: preprocess.read_data_config(str(config))[key] for key in expected} == expected
+        trainers_view = preprocess.yaml.load(text, Loader=train_ddp.ConfigLoader)["data"]
+        assert {key: trainers_view[key] for key in expected} == expected
+        return
+    with pytest.raises(SystemExit) as ended:
+        preprocess.read_data_config(str(config))
+    error = capsys.readouterr().err
+    assert ended.value.code == 2 and error.count("\n") == 1, error
+    assert error.startswith(f"error: {config}" if "twice" in expected else "error: "), error
+    assert expected in error and str(config) in error and " -> " in error, error
+
+
 def test_rerun_is_noop_changed_inputs_need_force(tmp_path, corpus):
     inputs, _ = corpus
     out = tmp_path / "out"
@@ -807,6 +838,38 @@ def test_images_of_16_and_32_bit_modes_are_scaled_by_their_own_range_and_a_note_
     assert_rows_are_the_files(out, "train", folder, relpaths, 16)
     pixels, _ = read_images(out, "train")
     assert all(64 < pixels[row].mean() < 192 for row in (1, 2, 3))  # neither white nor black
+
+
+def test_float_images_with_nan_or_inf_pixels_are_scaled_by_their_finite_pixels_and_a_note_says_so(
+        tmp_path):
+    """NaN or inf in a float image (mode F, as TIFFs hold) would make its min..max scaling NaN: the
+    finite pixels give the range, the others become 0, and one note counts and names the files. An
+    image with no finite pixel does not decode."""
+    folder, out = tmp_path / "folder", tmp_path / "out"
+    for name in IMAGE_CLASSES:
+        (folder / name).mkdir(parents=True)
+        Image.new("RGB", (20, 16), "grey").save(folder / name / "plain.jpg")
+    ramp = np.linspace(-3, 5, 16 * 18, dtype=np.float32).reshape(18, 16)
+    holes, dark = ramp.copy(), ramp.copy()
+    holes[2, 3], holes[7, 7], holes[9, 1] = np.nan, np.inf, -np.inf
+    dark[0, 0] = np.nan  # the minimum itself
+    Image.fromarray(holes).save(folder / "dog/holes.tif")
+    Image.fromarray(dark).save(folder / "cat/dark.tif")
+    result = run_preprocess("--images", folder, "--out", out, "--image-size", 16,
+                            "--val-fraction", 0, "--workers", 1)
+    assert result.returncode == 0, result.stderr
+    notes = [line for line in result.stdout.splitlines() if "NaN" in line]
+    assert notes == ["note: 2 images had NaN or infinite pixels (cat/dark.tif, dog/holes.tif): "
+                     "each scaled by the range of its finite pixels, and those pixels set to 0"], \
+        result.stdout
+    pixels, _ = read_images(out, "train")  # cat/dark.tif, cat/plain.jpg, dog/holes.tif, ...
+    for row, image in ((0, dark), (2, holes)):
+        finite = np.isfinite(image)
+        (tmp_path / "filled.tif").unlink(missing_ok=True)
+        Image.fromarray(np.where(finite, image, image[finite].min())).save(tmp_path / "filled.tif")
+        assert np.array_equal(pixels[row], pillow_reference(tmp_path / "filled.tif", 16)), row
+    with pytest.raises(ValueError, match="every pixel is NaN or infinite"):
+        preprocess.to_rgb(Image.fromarray(np.full((8, 8), np.nan, np.float32)))
 
 
 def test_images_in_one_folder_are_split_by_a_hash_of_each_path_that_adding_images_does_not_change(
@@ -4283,11 +4346,48 @@ with open(os.path.join(sys.argv[1], f"{os.getpid()}.pid"), "w") as pid_file:
     pid_file.write(str(os.getppid()))  # torchrun's pid
 time.sleep(120)
 """
+# Rank 1 says it began; both ranks wait for the go-ahead (a file, or a SIGTERM), then end as told:
+# a one-line error, a crash, or a stop after a checkpoint.
+ENDS_AS_TOLD = """import os, signal, sys, time
+go, ending = sys.argv[1:]
+rank = os.environ["RANK"]
+signal.signal(signal.SIGTERM, lambda *_: open(go, "a").close())
+if rank == "1":
+    print("reading shard 7", file=sys.stderr, flush=True)
+deadline = time.monotonic() + 30
+while not os.path.exists(go):
+    if time.monotonic() > deadline:
+        sys.exit("no go-ahead came: the line above did not reach the test at once")
+    time.sleep(0.05)
+if ending == "stop":
+    if rank == "0":
+        print("stopped at step 5 by a stop signal; checkpoint ckpt/step_000005 is written",
+              file=sys.stderr)
+    sys.exit(3)
+if rank == "1" and ending == "error":
+    print("error: shard 7 is truncated -> run preprocess.py again", file=sys.stderr)
+    sys.exit(2)
+if rank == "1":
+    raise ValueError("a bug")
+"""
+# launch.sh's config check asks a trainer for these (its data and checkpoints beside it); this one
+# then sleeps
+FAKE_TRAINER = """import os, sys, time
+if "--check" in sys.argv:
+    here = os.path.dirname(os.path.abspath(__file__))
+    resume = [arg for arg in sys.argv if arg.startswith("checkpoint.resume=")]
+    print(f"data.dir={here}/data", f"checkpoint.dir={here}/ckpt",
+          (resume or ["checkpoint.resume=auto"])[-1], "dist.timeout_s=60", "data.kind=text",
+          sep="\\n")
+    sys.exit()
+print("training", flush=True)
+time.sleep(120)
+"""
 
 
-def launch_script(tmp_path, source, *args, env_extra=None, popen=False):
+def launch_script(tmp_path, source, *args, env_extra=None, popen=False, name="worker.py"):
     """launch.sh with a throwaway worker script on 2 CPU processes; its logs in tmp_path/logs."""
-    script = tmp_path / "worker.py"
+    script = tmp_path / name
     script.write_text(source)
     env = {"LAUNCH_DEVICE": "cpu", "NNODES": "1", "NODE_RANK": "0", "NPROC_PER_NODE": "2",
            "MASTER_PORT": str(free_port()), "LOG_DIR": str(tmp_path / "logs"), **(env_extra or {})}
@@ -4324,6 +4424,45 @@ def test_a_failed_run_names_the_rank_and_its_error_line_or_its_last_stderr_lines
         # the last attempt: MAX_RESTARTS=1 restarted it once
         assert "attempt_1/1/stderr.log" in failure[0]
         assert result.stderr.split(failure[0])[1].splitlines()[1] == "    reading shard 7"
+
+
+@pytest.mark.parametrize("ending", ["error", "stop", "crash"])
+def test_a_rank_that_says_why_in_one_line_ends_without_torchruns_traceback_a_crash_keeps_it(
+        tmp_path, ending):
+    """torchrun ends a failure (or a stop) with its own traceback and summary of the ranks: after
+    the trainer's one-line error or stop line that is noise, after a crash it is kept. Lines stream
+    as they come, and the exit code is launch.sh's: 2 a mistake, 3 stopped, 1 a crash."""
+    go = tmp_path / "go"
+    launch = launch_script(tmp_path, ENDS_AS_TOLD, go, ending, env_extra={"MAX_RESTARTS": "0"},
+                           popen=True)
+    try:
+        seen = []
+        for line in launch.stderr:  # while the ranks wait: the line came at once
+            seen.append(line)
+            if "reading shard 7" in line:
+                break
+        if ending == "stop":
+            launch.send_signal(signal.SIGTERM)
+        else:
+            go.touch()
+        stdout, stderr = launch.communicate(timeout=60)
+    finally:
+        kill_process_tree(launch.pid)
+    stderr = "".join(seen) + stderr
+    lines = stderr.splitlines()
+    assert launch.returncode == {"error": 2, "stop": 3, "crash": 1}[ending], stdout + stderr
+    assert "no go-ahead came" not in stderr, stderr
+    if ending == "crash":  # the worker's traceback, torchrun's summary, then launch.sh's line
+        assert "[default1]:ValueError: a bug" in stderr
+        summary = lines.index("Root Cause (first observed failure):")
+        assert summary < [n for n, line in enumerate(lines) if line.startswith("FAIL:")][0]
+        return
+    assert "Traceback" not in stderr and "Root Cause" not in stderr, stderr
+    ending_line = {"error": "[default1]:error: shard 7 is truncated -> run preprocess.py again",
+                   "stop": "[default0]:stopped at step 5 by a stop signal"}[ending]
+    assert any(line.startswith(ending_line) for line in lines), stderr
+    assert lines[-1].startswith({"error": "FAIL: worker.py failed: rank 1 exited first",
+                                 "stop": "stopped at step 5 by a stop signal"}[ending]), stderr
 
 
 def test_launch_prepares_the_default_data_however_the_config_names_it_and_no_other(tmp_path):
@@ -4381,6 +4520,32 @@ def test_sigterm_to_launch_stops_torchrun_and_every_worker_and_exits_non_zero(tm
     assert launch.returncode == 143, stdout + stderr
     assert "FAIL: stopped by SIGTERM" in stderr
     assert not survivors
+
+
+@pytest.mark.parametrize("resume, command", [
+    ("auto", "run the same command again"),
+    ("never", "run the same command with checkpoint.resume=auto added"),
+])
+def test_a_launch_stopped_before_the_trainers_line_names_the_command_that_resumes(tmp_path, resume,
+                                                                                   command):
+    """With checkpoint.resume=never the same command would refuse the checkpoints it wrote."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "meta.json").write_text("{}")
+    launch = launch_script(tmp_path, FAKE_TRAINER, f"checkpoint.resume={resume}", popen=True,
+                           name="train_fake.py")
+    try:
+        seen = []
+        for line in launch.stdout:
+            seen.append(line)
+            if line.startswith("training"):
+                break
+        launch.send_signal(signal.SIGTERM)
+        stdout, stderr = launch.communicate(timeout=60)
+    finally:
+        kill_process_tree(launch.pid)
+    assert launch.returncode == 143, "".join(seen) + stdout + stderr
+    failure = [line for line in stderr.splitlines() if line.startswith("FAIL: stopped by SIGTERM")]
+    assert len(failure) == 1 and f"-> {command} to continue" in failure[0], stderr
 
 
 # ---- launch.sh: two hosts ------------------------------------------------------------------------
