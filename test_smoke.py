@@ -21,6 +21,7 @@ The sections, in this order, each opened by a line `# ---- name ----`:
     train_ddp.py: metrics and logging     the log line, TensorBoard, Prometheus, NVML, timers, MFU
     train_ddp.py: faults                  FAULT=kind:rank:step: killed, NaN, diverging, hung ranks
     train_ddp.py: tiered embedding        against a plain reference, resume, the tier map, refusals
+    train_ddp.py: fp8                     the layers converted, the refusals, fp8 to bf16, export
     train_ddp.py: images (ViT)            the digits run, resume, FSDP, export, val, FLOPs, refusals
     train_fsdp.py                         DDP's losses, shards, fp16 scaler, checkpoints, refusals
     stress_test.py                        the table, injected faults, the soak, options
@@ -49,6 +50,7 @@ import time
 import traceback
 import unittest.mock
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pyarrow as pa
@@ -3434,6 +3436,114 @@ def test_tiered_embedding_is_refused_where_it_cannot_work(data_dir, tmp_path):
             train_fsdp.main()
 
 
+# ---- train_ddp.py: fp8 ---------------------------------------------------------------------------
+
+# A tiny Llama whose layers are all multiples of 16 (head size 16, MLP 64 wide); on CPU, where the
+# trainers refuse fp8 (no gain), the tests lift that refusal: torch runs float8 matmuls on CPU too
+FP8_MODEL = ["model.type=llama", "model.n_layer=2", "model.n_head=2", "model.n_embd=32",
+             "model.intermediate_size=64", "train.seq_len=64", "train.global_batch_size=16",
+             "train.micro_batch_size=4", "train.max_steps=4", "checkpoint.every=2",
+             "train.eval_every=4", "train.eval_batches=1", "log.every=1", "optim.lr=1e-2",
+             "optim.warmup_steps=2", "model.dropout=0.0", "log.sample_prompt="]
+FP8_ON_CPU = """import sys
+sys.path.insert(0, {repo!r})
+import {trainer} as trainer
+trainer.fp8_refusal = lambda device, use_compile: None  # a CPU has no float8 tensor cores
+sys.argv[0] = "{trainer}.py"
+trainer.main()
+"""
+
+
+def need_torchao():
+    if importlib.util.find_spec("torchao") is None:
+        pytest.fail("torchao is not installed -> pip install -r requirements-dev.txt",
+                    pytrace=False)
+
+
+def test_fp8_trains_the_blocks_linear_layers_of_sizes_in_multiples_of_16_and_nothing_else():
+    """Llama: the 7 linear layers of each block; BERT and ViT: their 6, never the pooler or the
+    heads; an MLP of 72 stays in bf16; GPT-2's blocks hold Conv1D layers: none."""
+    from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageClassification,
+                              AutoModelForMaskedLM)
+    shape = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
+    llama = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", vocab_size=128, **shape))
+    assert train_ddp.fp8_layers(llama) == [
+        f"model.layers.{i}.{name}" for i in range(2)
+        for name in ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                     "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]]
+    narrow = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "llama", vocab_size=128, **{**shape, "intermediate_size": 72}))
+    assert [name.rsplit(".", 1)[1] for name in train_ddp.fp8_layers(narrow)][:4] == \
+        ["q_proj", "k_proj", "v_proj", "o_proj"] and len(train_ddp.fp8_layers(narrow)) == 8
+    bert = AutoModelForMaskedLM.from_config(AutoConfig.for_model("bert", vocab_size=128, **shape))
+    vit = AutoModelForImageClassification.from_config(AutoConfig.for_model(
+        "vit", image_size=32, patch_size=8, num_labels=10, **shape))
+    for model, prefix in [(bert, "bert.encoder.layer."), (vit, "vit.layers.")]:
+        names = train_ddp.fp8_layers(model)
+        assert len(names) == 12 and all(name.startswith(prefix) for name in names), names
+    gpt2 = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "gpt2", vocab_size=128, n_embd=32, n_layer=2, n_head=2))
+    assert train_ddp.fp8_layers(gpt2) == []
+    cfg = SimpleNamespace(train=SimpleNamespace(precision="fp8"))
+    with unittest.mock.patch.object(train_ddp, "fp8_refusal", lambda device, use_compile: None), \
+            pytest.raises(train_ddp.UserError, match=r"gpt2 has none .* Conv1D.* model.type=llama"):
+        train_ddp.train_in_fp8(gpt2, cfg, torch.device("cpu"), True, sharded=False)
+    bf16 = SimpleNamespace(train=SimpleNamespace(precision="bf16"))
+    train_ddp.train_in_fp8(llama, bf16, torch.device("cpu"), True, sharded=False)
+    assert type(llama.model.layers[0].self_attn.q_proj) is torch.nn.Linear  # bf16: untouched
+
+
+def test_fp8_is_refused_in_one_line_where_it_cannot_pay(monkeypatch, data_dir, tmp_path):
+    """A CPU, a GPU below compute capability 8.9, eager mode, no torchao; and a precision the
+    config does not know."""
+    refusal, gpu = train_ddp.fp8_refusal, torch.device("cuda", 0)
+    assert "needs an NVIDIA GPU with float8 tensor cores" in refusal(torch.device("cpu"), True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA A100")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (8, 0))
+    assert "NVIDIA A100 has 8.0 -> use train.precision=bf16" in refusal(gpu, True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
+    assert "needs torch.compile" in refusal(gpu, False)
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *rest: None if name == "torchao" else real_find_spec(name))
+    assert refusal(gpu, True).endswith("-> pip install torchao")
+    monkeypatch.undo()
+    error, _ = train_in_process(f"data.dir={data_dir}", *FP8_MODEL, "train.precision=fp8",
+                                f"out_dir={tmp_path}", f"checkpoint.dir={tmp_path}/c")
+    assert error and error.startswith("train.precision=fp8 needs an NVIDIA GPU"), error
+    assert "\n" not in error and not (tmp_path / "c").exists()
+    with pytest.raises(train_ddp.UserError, match=r"train.precision=fp9 is not one of .*\|fp32\|fp8 "):
+        train_ddp.load_config(["train.precision=fp9"], use_cuda=False)
+
+
+@pytest.mark.parametrize("trainer", TRAINERS)
+def test_fp8_trains_resumes_in_bf16_and_exports_a_plain_model(trainer, data_dir, tmp_path):
+    """2 ranks (FSDP2: weights gathered in float8) or one process: 4 steps in fp8 with checkpoints,
+    then the step-2 checkpoint resumed in bf16 gives about the same losses; the export holds fp32
+    tensors under transformers' names and loads back with nn.Linear layers."""
+    need_torchao()
+    from safetensors.torch import load_file
+    wrapper = tmp_path / f"{Path(trainer).stem}_fp8.py"
+    wrapper.write_text(FP8_ON_CPU.format(repo=str(REPO), trainer=Path(trainer).stem))
+    nproc = 2 if trainer == "train_fsdp.py" else 1
+    result = torchrun(nproc, wrapper, f"data.dir={data_dir}", *FP8_MODEL, "train.precision=fp8",
+                      f"out_dir={tmp_path}/fp8", f"checkpoint.dir={tmp_path}/fp8/c")
+    assert "precision fp8" in result.stdout
+    assert "fp8: 14 linear layers multiply in float8 (torchao, tensorwise)" in result.stdout
+    shutil.copytree(tmp_path / "fp8/c/step_000002", tmp_path / "bf16/c/step_000002")
+    torchrun(nproc, trainer, f"data.dir={data_dir}", *FP8_MODEL, "train.precision=bf16",
+             "export=false", f"out_dir={tmp_path}/bf16", f"checkpoint.dir={tmp_path}/bf16/c")
+    in_fp8, in_bf16 = losses(tmp_path / "fp8"), losses(tmp_path / "bf16")
+    assert sorted(in_bf16) == [3, 4]
+    assert all(in_bf16[step] == pytest.approx(in_fp8[step], rel=0.02) for step in in_bf16)
+    exported = load_file(tmp_path / "fp8/final/model.safetensors")
+    assert {tensor.dtype for tensor in exported.values()} == {torch.float32}
+    assert "model.layers.0.self_attn.q_proj.weight" in exported
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "fp8/final")
+    assert type(model.model.layers[0].mlp.up_proj) is torch.nn.Linear
+
+
 # ---- train_ddp.py: images (ViT) ------------------------------------------------------------------
 
 # 12 images per step: 2 ranks x 3, 1 rank x 6 and 3 ranks x 2 micro-batches of 2
@@ -5104,9 +5214,10 @@ def test_bench_reads_our_images_per_sec_over_the_window_like_tokens_per_sec():
 # Each optional part: its tag, and the name of its block at the end of the file (the trainers' MLM
 # and images stand by the data).
 OPTIONAL = {"MLM": "MLM", "images": "images", "metrics": "metrics", "tiered": "tiered",
-            "FAULT": "faults"}
-OPTIONAL_IN = {"train_ddp.py": ["MLM", "images", "metrics", "tiered", "FAULT"],
-               "train_fsdp.py": ["MLM", "images", "metrics", "FAULT"], "preprocess.py": ["images"]}
+            "fp8": "fp8", "FAULT": "faults"}
+OPTIONAL_IN = {"train_ddp.py": ["MLM", "images", "metrics", "tiered", "fp8", "FAULT"],
+               "train_fsdp.py": ["MLM", "images", "metrics", "fp8", "FAULT"],
+               "preprocess.py": ["images"]}
 # What train_fsdp.py defines differently from train_ddp.py: FSDP's own; every other function, class
 # and constant both files define must be the same source (train_ddp.py's lines tagged # tiered left
 # out).

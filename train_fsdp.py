@@ -22,7 +22,6 @@ import difflib
 import fcntl
 import functools
 import gc
-import importlib.util
 import json
 import math
 import os
@@ -2404,6 +2403,8 @@ def stop_exporters(exporters):
 
 def fp8_refusal(device, use_compile):
     """Why fp8 cannot pay here, or None: it needs float8 tensor cores, torch.compile and torchao."""
+    import importlib.util
+
     if device.type != "cuda":
         return ("train.precision=fp8 needs an NVIDIA GPU with float8 tensor cores (compute "
                 "capability 8.9: Ada, Hopper or later) -> use train.precision=bf16 or fp32 here")
