@@ -1546,7 +1546,7 @@ def test_a_vit_on_the_digits_takes_the_gpu_preset_and_on_other_images_the_defaul
     (["train.max_step=5"], ["unknown config key 'train.max_step'",
                             "did you mean 'train.max_steps'"]),
     (["optim.lr=fast"], ["optim.lr=fast is not a float"]),
-    (["train.precision=fp8"], ["train.precision=fp8 is not one of"]),
+    (["train.precision=fp4"], ["train.precision=fp4 is not one of"]),
     (["max_steps"], ["is not key=value"]),
     (["train.micro_batch_size=0"], ["train.micro_batch_size=0 is out of range", "at least 1"]),
 ])
@@ -3512,7 +3512,7 @@ def test_fp8_is_refused_in_one_line_where_it_cannot_pay(monkeypatch, data_dir, t
                                 f"out_dir={tmp_path}", f"checkpoint.dir={tmp_path}/c")
     assert error and error.startswith("train.precision=fp8 needs an NVIDIA GPU"), error
     assert "\n" not in error and not (tmp_path / "c").exists()
-    with pytest.raises(train_ddp.UserError, match=r"train.precision=fp9 is not one of .*\|fp32\|fp8 "):
+    with pytest.raises(train_ddp.UserError, match=r"precision=fp9 is not one of .*\|fp32\|fp8 "):
         train_ddp.load_config(["train.precision=fp9"], use_cuda=False)
 
 
@@ -5391,7 +5391,7 @@ def test_functions_both_trainers_define_are_the_same_source_but_fsdps_own():
 
 
 # Lines per file: a budget against growth.
-FILE_BUDGET = {"train_ddp.py": 2830, "train_fsdp.py": 2470}
+FILE_BUDGET = {"train_ddp.py": 2885, "train_fsdp.py": 2560}
 
 
 def test_main_and_train_step_fit_their_budgets_and_the_core_comes_first():
