@@ -111,6 +111,14 @@ STAGES = {
     "fp8_llama1p3b_1gpu": {"sides": ["config:llama", "config:llama_fp8"], "shape": "1.3B",
                            "gpus": 1, "steps": 30, "skip_steps": 10, "log_every": 5,
                            "timeout_s": 290, "budget_s": 580},
+    # the same, each block compiled on its own (variant:compile_blocks): compiling fp8's whole model
+    # took more than 290 s; a block's graph is compiled once for all 24
+    "fp8_blocks_llama1p3b_1gpu": {"sides": ["variant:compile_blocks", "variant:compile_blocks#fp8"],
+                                  "shape": "1.3B", "gpus": 1, "steps": 30, "skip_steps": 10,
+                                  "log_every": 5, "timeout_s": 290, "budget_s": 580,
+                                  "extra": ["model.type=llama", "model.intermediate_size=5440"],
+                                  "side_extra": {"variant:compile_blocks#fp8":
+                                                 ["train.precision=fp8"]}},
     "fp8_shapeB_1gpu": {"sides": ["config:llama", "config:llama_fp8"], "shape": "B", "gpus": 1,
                         "steps": 40, "skip_steps": 10, "log_every": 5, "timeout_s": 280},
     # train_fsdp.py against train_ddp.py on one GPU, micro-batches of 32 (the GPU default)
@@ -306,6 +314,13 @@ VARIANTS = {
                             ("def main():\n", "def main():\n"
                              "    torch._dynamo.config.automatic_dynamic_shapes = False\n"
                              "    torch._dynamo.config.recompile_limit = 64\n")],
+    # one process compiles each repeated block on its own, not the whole model: a block's graph
+    # once for all blocks (Dynamo reuses it), the outer forward eager
+    "compile_blocks": [("        return torch.compile(raw_model) if use_compile else raw_model, "
+                        "nothing\n",
+                        "        for block in repeated_blocks(raw_model) if use_compile else []:\n"
+                        "            block.compile()\n"
+                        "        return raw_model, nothing\n")],
     # each step's verdict read in that step: the host waits there for the GPU to finish the step
     "reference_same_step": [("        verdicts.defer(step + 1, verdict, step_label_tokens)\n",
                              "        verdicts.defer(step + 1, verdict, step_label_tokens)\n"
@@ -1601,9 +1616,13 @@ def figures(stage_records):
                               f"{[round(x) for x in rates[1]]}; FSDP's max/min over the window "
                               f"{spread:.3f}; peak GiB FSDP {fsdp[0].get('peak_mem_gib')}, DDP "
                               f"{ddp[0].get('peak_mem_gib')}")
-    for name, label in [("fp8_llama1p3b_1gpu", "llama1p3b"), ("fp8_shapeB_1gpu", "shapeB")]:
+    for name, label, sides in [
+            ("fp8_llama1p3b_1gpu", "llama1p3b", ("config:llama_fp8", "config:llama")),
+            ("fp8_shapeB_1gpu", "shapeB", ("config:llama_fp8", "config:llama")),
+            ("fp8_blocks_llama1p3b_1gpu", "llama1p3b_blocks",
+             ("variant:compile_blocks#fp8", "variant:compile_blocks"))]:
         stage = by_stage.get(name, {})
-        fp8, bf16 = stage.get("config:llama_fp8"), stage.get("config:llama") or {}
+        fp8, bf16 = stage.get(sides[0]), stage.get(sides[1]) or {}
         if fp8:
             row(f"fp8_vs_bf16_{label}_1gpu_tokens_per_sec", fp8.get("tokens_per_sec"), "tokens/s",
                 "the same model in bf16, same call", bf16.get("tokens_per_sec"),
