@@ -3512,7 +3512,8 @@ def test_fp8_is_refused_in_one_line_where_it_cannot_pay(monkeypatch, data_dir, t
                                 f"out_dir={tmp_path}", f"checkpoint.dir={tmp_path}/c")
     assert error and error.startswith("train.precision=fp8 needs an NVIDIA GPU"), error
     assert "\n" not in error and not (tmp_path / "c").exists()
-    with pytest.raises(train_ddp.UserError, match=r"train.precision=fp9 is not one of .*\|fp32\|fp8 "):
+    with pytest.raises(train_ddp.UserError,
+                       match=r"train.precision=fp9 is not one of .*\|fp32\|fp8 "):
         train_ddp.load_config(["train.precision=fp9"], use_cuda=False)
 
 
