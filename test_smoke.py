@@ -4181,14 +4181,45 @@ def test_fsdp_publishes_a_checkpoint_written_in_the_background_before_a_run_ends
     assert train_ddp.checksum_mismatch(out / "ckpt" / "step_000004") is None
 
 
-@pytest.mark.parametrize("override", ["dist.reducer=inline", "dist.grad_compression=bf16"])
-def test_fsdp_refuses_the_ddp_reducer_settings(override, monkeypatch):
-    """Refused, not ignored: FSDP reduce-scatters its gradients itself; --check (launch.sh) finds it
-    before any work."""
+@pytest.mark.parametrize("override, reason", [
+    ("dist.reducer=inline", "FSDP reduce-scatters the gradients itself"),
+    ("dist.grad_compression=bf16", "FSDP reduces the gradients in fp32"),
+    ("dist.bucket_mb=50", "FSDP has no buckets"), ("dist.bucket_mb=0", "FSDP has no buckets"),
+    ("dist.reducer=nccl", "FSDP reduce-scatters")])
+def test_fsdp_refuses_each_ddp_reducer_setting_in_one_line_with_the_reason(override, reason,
+                                                                           monkeypatch):
+    """Refused, not ignored, and not validated as DDP would (a bucket of 0 MiB, a reducer DDP does
+    not know: DDP's settings all the same); --check (launch.sh) finds it before any work."""
     import train_fsdp
     monkeypatch.setattr(sys, "argv", ["train_fsdp.py", "--check", override])
-    with pytest.raises(train_fsdp.UserError, match=re.escape(override) + r" is train_ddp\.py's"):
+    with pytest.raises(train_fsdp.UserError) as refused:
         train_fsdp.main()
+    key = re.escape(override.split("=")[0])
+    assert re.fullmatch(rf"{key}=\S+ is train_ddp\.py's \({re.escape(reason)}[^)]*\) -> use "
+                        rf"train_ddp\.py, or leave {key} at \S+", str(refused.value)), refused.value
+
+
+def test_fsdp_names_ddps_reducer_buckets_and_all_reduce_timing_only_to_refuse_them():
+    """No reducer setting, bucket, all-reduce timer or figure that would only be null here: DDP's
+    names stand in DEFAULTS (the settings of the config.yaml both trainers read) and NOT_HERE (why
+    each is refused), nowhere else."""
+    source, tables = (REPO / "train_fsdp.py").read_text(), top_level_sources(REPO / "train_fsdp.py")
+    for table in ["DEFAULTS", "NOT_HERE"]:
+        source = source.replace(tables[table], "")
+    ddp_only = re.compile(r"reducer|bucket|allreduce|grad_compression|comm_|exposed|no_sync|"
+                          r"span_ms|time_stamp", re.IGNORECASE)
+    found = [line for line in source.splitlines() if ddp_only.search(line)]
+    assert not found, found
+
+
+@pytest.mark.parametrize("trainer", TRAINERS)
+def test_every_setting_a_trainer_does_not_read_is_refused_there_but_preprocess_settings(trainer):
+    """A value given for a setting the trainer would ignore stops it, with the reason (NOT_HERE);
+    data.vocab_size and data.val_fraction are preprocess.py's: the trainer notes them as such."""
+    module = importlib.import_module(trainer.removesuffix(".py"))
+    source = (REPO / trainer).read_text().replace(top_level_sources(REPO / trainer)["DEFAULTS"], "")
+    unread = {key for key in module.flatten(module.DEFAULTS) if f"cfg.{key}" not in source}
+    assert unread == set(module.NOT_HERE) | set(module.PREPROCESS_KEYS)
 
 
 # ---- stress_test.py ------------------------------------------------------------------------------
@@ -5287,8 +5318,8 @@ OPTIONAL_IN = {"train_ddp.py": ["MLM", "images", "metrics", "tiered", "fp8", "FA
                "train_fsdp.py": ["MLM", "images", "metrics", "fp8", "FAULT"],
                "preprocess.py": ["images"]}
 # What train_fsdp.py defines differently from train_ddp.py: FSDP's own; every other function, class
-# and constant both files define must be the same source (train_ddp.py's lines tagged # tiered left
-# out).
+# and constant both files define must be the same source (train_ddp.py's lines tagged # tiered or
+# # DDP left out).
 FSDP_OWN = {"main", "train_step", "save_checkpoint", "load_weights", "weights_are_finite",
             "CHECKPOINT_FILES", "NOT_HERE", "OTHER_TRAINER"}
 
@@ -5443,12 +5474,13 @@ def test_config_yaml_holds_exactly_the_defaults_built_into_both_trainers_and_pre
 
 def test_functions_both_trainers_define_are_the_same_source_but_fsdps_own():
     """train_fsdp.py is train_ddp.py with the parallelism swapped: what both define is word for word
-    the same (train_ddp.py's lines tagged # tiered left out), except the short list of FSDP's
-    own."""
+    the same (train_ddp.py's lines tagged # tiered or # DDP left out), except the short list of
+    FSDP's own."""
     ddp, fsdp = top_level_sources(REPO / "train_ddp.py"), top_level_sources(REPO / "train_fsdp.py")
     both = set(ddp) & set(fsdp)
     assert FSDP_OWN <= both
-    untiered = {name: without(text, "tiered") for name, text in ddp.items()}
+    untiered = {name: "".join(line for line in without(text, "tiered").splitlines(keepends=True)
+                              if not tagged(line, "DDP")) for name, text in ddp.items()}
     different = {name for name in both - FSDP_OWN if untiered[name] != fsdp[name]}
     assert not different, different
     assert all(untiered[name] != fsdp[name] for name in FSDP_OWN), \

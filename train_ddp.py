@@ -11,7 +11,8 @@ section. Defaults are DEFAULTS below; config.yaml beside this file (or a .yaml p
 section.key=value arguments override them. Optional parts go with the lines tagged for them: # MLM
 (masked-LM models such as BERT) and # images (ViT image classification), whose blocks stand by the
 data, and the blocks at the end, # metrics (TensorBoard, Prometheus, NVML), # tiered (an input
-embedding partly in CPU memory), # FAULT (fault injection for the tests).
+embedding partly in CPU memory), # FAULT (fault injection for the tests). A line tagged # DDP is
+this file's alone in a definition train_fsdp.py otherwise shares word for word.
 """
 
 import contextlib
@@ -771,8 +772,8 @@ CHOICES = {
     "train.precision": ["auto", "bf16", "fp16", "fp32", "fp8"],
     "train.compile": ["auto", "true", "false"],
     "dist.backend": ["auto", "nccl", "gloo"],
-    "dist.reducer": ["torch", "inline", "naive"],
-    "dist.grad_compression": ["none", "bf16"],
+    "dist.reducer": ["torch", "inline", "naive"],  # DDP
+    "dist.grad_compression": ["none", "bf16"],  # DDP
 }
 # What each number may be: a value of the right type can still train wrongly and exit 0
 # (grad_clip=-1 flips every gradient, warmup_steps=-5 starts with a negative rate).
@@ -785,8 +786,8 @@ RANGES = {
                      "train.pad_to_multiple", "checkpoint.every", "log.sample_tokens",
                      "model.patch_size", "train.crop_padding"], (0, None)),
     **dict.fromkeys(["model.dropout", "optim.beta1", "optim.beta2"], (0, "below 1")),
-    **dict.fromkeys(["optim.lr", "optim.eps", "dist.timeout_s", "dist.bucket_mb"],
-                    ("above 0", None)),
+    **dict.fromkeys(["optim.lr", "optim.eps", "dist.timeout_s"], ("above 0", None)),
+    "dist.bucket_mb": ("above 0", None),  # DDP
     "train.seq_len": (3, None),  # a masked-LM sample is [CLS] token [SEP]
     "train.mlm_probability": ("above 0", "below 1"),
     "log.prometheus_port": (0, 65535),
@@ -970,8 +971,9 @@ def check_config(cfg, world_size):
     if cfg.optim.min_lr > cfg.optim.lr:
         die(f"optim.min_lr={cfg.optim.min_lr} is above optim.lr={cfg.optim.lr} -> the decay ends "
             "at min_lr: lower it")
-    if cfg.dist.reducer == "naive" and cfg.dist.grad_compression != "none":
-        die("dist.reducer=naive sends fp32 gradients -> dist.reducer=inline or torch for bf16 ones")
+    if cfg.dist.reducer == "naive" and cfg.dist.grad_compression != "none":  # DDP
+        die("dist.reducer=naive sends fp32 gradients -> "  # DDP
+            "dist.reducer=inline or torch for bf16 ones")  # DDP
     cfg.data.dir = default_image_dir(cfg)  # images
     per_round = cfg.train.micro_batch_size * world_size
     if cfg.train.global_batch_size % per_round:
@@ -2007,7 +2009,7 @@ def log_interval(interval, run, result):
         "mem_peak_gib": torch.cuda.max_memory_allocated() / gib if cuda else None,
         # times the caching allocator found no free block, released its cache and allocated again
         "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else None,
-        **comm_figures(run.timers, interval.steps),
+        **comm_figures(run.timers, interval.steps),  # DDP
         "data_wait_frac": max(frac for _, frac in per_rank),
         "step_time_skew": max(busy) / max(min(busy), 1e-9) if several else None,
         "slowest_rank": busy.index(max(busy)) if several else None,
@@ -2024,7 +2026,7 @@ def log_interval(interval, run, result):
 def comm_figures(timers, steps):
     """The interval's p50 and p95 bucket all-reduce (ms from start to end), and the communication
     per step that backward did not hide: our reducers' wait for it, or DDP's last all-reduce beyond
-    the end of backward's compute. None where nothing was timed (FSDP's run inside its hooks)."""
+    the end of backward's compute. None where nothing was timed (one process)."""
     latency_ms = span_ms(timers.allreduce_spans)
     percentile = {q: float(np.percentile(latency_ms, q)) if latency_ms else None for q in (50, 95)}
     exposed_ms = 1000 * timers.comm_wait.total_s() / steps if timers.comm_wait else None
@@ -2056,9 +2058,11 @@ def log_line(record, max_steps):
                                          "alloc/res/peak"),
              ("alloc_retries", lambda r: f"alloc retries {r['alloc_retries']}"),
              ("gpu_util", lambda r: f"gpu {r['gpu_util']:.0f}%"),
-             ("comm_exposed_ms", lambda r: f"comm exposed {r['comm_exposed_ms']:.1f} ms/step"),
-             ("allreduce_p50_ms", lambda r: f"all-reduce p50/p95 {r['allreduce_p50_ms']:.1f}/"
-                                            f"{r['allreduce_p95_ms']:.1f} ms"),
+             ("comm_exposed_ms",  # DDP
+              lambda r: f"comm exposed {r['comm_exposed_ms']:.1f} ms/step"),  # DDP
+             ("allreduce_p50_ms",  # DDP
+              lambda r: f"all-reduce p50/p95 {r['allreduce_p50_ms']:.1f}/"  # DDP
+                        f"{r['allreduce_p95_ms']:.1f} ms"),  # DDP
              ("data_wait_frac", lambda r: f"data {100 * r['data_wait_frac']:.1f}%"),
              ("step_time_skew", lambda r: f"skew {r['step_time_skew']:.2f} "
                                           f"(rank {r['slowest_rank']})")]

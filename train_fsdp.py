@@ -91,6 +91,7 @@ CPU_PRESET = {"model.n_layer": 2, "model.n_head": 4, "model.n_embd": 128, "train
 OTHER_TRAINER = "train_ddp.py"  # its knobs, refused here unless at their defaults, and why
 NOT_HERE = {"dist.reducer": "FSDP reduce-scatters the gradients itself",
             "dist.grad_compression": "FSDP reduces the gradients in fp32",
+            "dist.bucket_mb": "FSDP has no buckets: it all-gathers and reduce-scatters per block",
             "model.embedding_gpu_rows": "FSDP shards the embedding over the ranks already; "
                                         "fsdp.cpu_offload=true keeps the shards in CPU memory"}
 IGNORE_INDEX = -100  # the label F.cross_entropy skips: padding, and the positions MLM leaves
@@ -166,8 +167,7 @@ def main():
         resume(resume_dir, run, optimizer, scheduler, scaler)
 
     # -------------------------------------------------------------------------- 7. training loop
-    run.timers = SimpleNamespace(data_wait=SpanTimer(device), sync_wait=SpanTimer(device),
-                                 comm_wait=None, allreduce_spans=[])  # comm_wait: our reducers'
+    run.timers = SimpleNamespace(data_wait=SpanTimer(device), sync_wait=SpanTimer(device))
     model, run.parallel = gradient_sync(raw_model, use_compile)  # sharded in section 4
     # dcp.async_save writes in a thread of its own and needs a process group with a CPU backend
     run.async_group = dist.new_group(backend="gloo") if cfg.checkpoint.async_save else None
@@ -235,7 +235,6 @@ def train_step(model, batches, optimizer, scheduler, scaler, run):
     with run.timers.data_wait:  # the next step's batches, built while the GPU runs this backward
         fault_point(run.step + 1)  # FAULT
         next_batches = step_batches(run, run.samples_seen + run.cfg.train.global_batch_size)
-    run.parallel.finish()  # each gradient is now the mean over the ranks
     scaler.unscale_(optimizer)  # clip the true gradient, not the fp16-scaled one
     grad_norm = torch.nn.utils.clip_grad_norm_(run.raw_model.parameters(),
                                                run.cfg.optim.grad_clip or float("inf"))
@@ -341,14 +340,14 @@ def gradient_sync(raw_model, use_compile):
     reduce-scatter; gradients then accumulate unsharded (a full gradient per rank until the last
     micro-batch). The whole model of one rank is compiled whole: nothing to sync."""
     if not isinstance(raw_model, FSDPModule):
-        nothing = SimpleNamespace(sync=lambda last: contextlib.nullcontext(), finish=lambda: None)
+        nothing = SimpleNamespace(sync=lambda last: contextlib.nullcontext())
         return torch.compile(raw_model) if use_compile else raw_model, nothing
 
     def sync(last):
         raw_model.set_requires_gradient_sync(last)
         return contextlib.nullcontext()
 
-    return raw_model, SimpleNamespace(sync=sync, finish=lambda: None)
+    return raw_model, SimpleNamespace(sync=sync)
 
 
 
@@ -791,8 +790,6 @@ CHOICES = {
     "train.precision": ["auto", "bf16", "fp16", "fp32", "fp8"],
     "train.compile": ["auto", "true", "false"],
     "dist.backend": ["auto", "nccl", "gloo"],
-    "dist.reducer": ["torch", "inline", "naive"],
-    "dist.grad_compression": ["none", "bf16"],
 }
 # What each number may be: a value of the right type can still train wrongly and exit 0
 # (grad_clip=-1 flips every gradient, warmup_steps=-5 starts with a negative rate).
@@ -805,8 +802,7 @@ RANGES = {
                      "train.pad_to_multiple", "checkpoint.every", "log.sample_tokens",
                      "model.patch_size", "train.crop_padding"], (0, None)),
     **dict.fromkeys(["model.dropout", "optim.beta1", "optim.beta2"], (0, "below 1")),
-    **dict.fromkeys(["optim.lr", "optim.eps", "dist.timeout_s", "dist.bucket_mb"],
-                    ("above 0", None)),
+    **dict.fromkeys(["optim.lr", "optim.eps", "dist.timeout_s"], ("above 0", None)),
     "train.seq_len": (3, None),  # a masked-LM sample is [CLS] token [SEP]
     "train.mlm_probability": ("above 0", "below 1"),
     "log.prometheus_port": (0, 65535),
@@ -990,8 +986,6 @@ def check_config(cfg, world_size):
     if cfg.optim.min_lr > cfg.optim.lr:
         die(f"optim.min_lr={cfg.optim.min_lr} is above optim.lr={cfg.optim.lr} -> the decay ends "
             "at min_lr: lower it")
-    if cfg.dist.reducer == "naive" and cfg.dist.grad_compression != "none":
-        die("dist.reducer=naive sends fp32 gradients -> dist.reducer=inline or torch for bf16 ones")
     cfg.data.dir = default_image_dir(cfg)  # images
     per_round = cfg.train.micro_batch_size * world_size
     if cfg.train.global_batch_size % per_round:
@@ -2025,7 +2019,6 @@ def log_interval(interval, run, result):
         "mem_peak_gib": torch.cuda.max_memory_allocated() / gib if cuda else None,
         # times the caching allocator found no free block, released its cache and allocated again
         "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else None,
-        **comm_figures(run.timers, interval.steps),
         "data_wait_frac": max(frac for _, frac in per_rank),
         "step_time_skew": max(busy) / max(min(busy), 1e-9) if several else None,
         "slowest_rank": busy.index(max(busy)) if several else None,
@@ -2037,28 +2030,6 @@ def log_interval(interval, run, result):
     write_metrics(run, record)
     log0(log_line(record, run.cfg.train.max_steps))
     interval.reset(now)
-
-
-def comm_figures(timers, steps):
-    """The interval's p50 and p95 bucket all-reduce (ms from start to end), and the communication
-    per step that backward did not hide: our reducers' wait for it, or DDP's last all-reduce beyond
-    the end of backward's compute. None where nothing was timed (FSDP's run inside its hooks)."""
-    latency_ms = span_ms(timers.allreduce_spans)
-    percentile = {q: float(np.percentile(latency_ms, q)) if latency_ms else None for q in (50, 95)}
-    exposed_ms = 1000 * timers.comm_wait.total_s() / steps if timers.comm_wait else None
-    if getattr(timers, "exposed_spans", None):  # DDP's
-        exposed_ms = sum(max(0.0, ms) for ms in span_ms(timers.exposed_spans)) / steps
-    return {"comm_exposed_ms": exposed_ms, "allreduce_p50_ms": percentile[50],
-            "allreduce_p95_ms": percentile[95]}
-
-
-def span_ms(spans):
-    """Each (start, end) of the list in ms, removed from it (one a late callback adds stays)."""
-    count = len(spans)
-    latency_ms = [1000 * (end - start) if isinstance(start, float) else
-                  end.synchronize() or start.elapsed_time(end) for start, end in spans[:count]]
-    del spans[:count]
-    return latency_ms
 
 
 def log_line(record, max_steps):
@@ -2074,9 +2045,6 @@ def log_line(record, max_steps):
                                          "alloc/res/peak"),
              ("alloc_retries", lambda r: f"alloc retries {r['alloc_retries']}"),
              ("gpu_util", lambda r: f"gpu {r['gpu_util']:.0f}%"),
-             ("comm_exposed_ms", lambda r: f"comm exposed {r['comm_exposed_ms']:.1f} ms/step"),
-             ("allreduce_p50_ms", lambda r: f"all-reduce p50/p95 {r['allreduce_p50_ms']:.1f}/"
-                                            f"{r['allreduce_p95_ms']:.1f} ms"),
              ("data_wait_frac", lambda r: f"data {100 * r['data_wait_frac']:.1f}%"),
              ("step_time_skew", lambda r: f"skew {r['step_time_skew']:.2f} "
                                           f"(rank {r['slowest_rank']})")]
@@ -2529,8 +2497,8 @@ if __name__ == "__main__":
     try:
         try:
             main()
-            # Not at the end of main(): DDP's reducer, freed with main()'s objects after the group
-            # is gone, would run the group's destructor itself and can deadlock there with gloo.
+            # Not at the end of main(): the sharded model holds the process group; freed after the
+            # group is gone, it would run the group's destructor itself and can deadlock there.
             gc.collect()
             if dist.is_initialized():  # not with --check
                 dist.destroy_process_group()
