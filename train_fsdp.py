@@ -505,7 +505,10 @@ def publish(temporary, final, keep):
     fsync_dir(temporary)
     os.rename(temporary, final)
     pointer = final.parent / f".latest-{os.getpid()}"
-    pointer.write_text(final.name)
+    with open(pointer, "w") as file:
+        file.write(final.name)
+        file.flush()
+        os.fsync(file.fileno())  # the rename below must not reach the disk before the name
     os.replace(pointer, final.parent / "latest")
     fsync_dir(final.parent)  # the new checkpoint and pointer are on disk before any old one goes
     for old in complete_checkpoints(final.parent)[:-keep]:
