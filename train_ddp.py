@@ -428,7 +428,7 @@ def time_stamp():
     return event
 
 
-# ----------------------------------------------------------------------------- 6. checkpoint
+# ---------------------------------------------------------------------- the checkpoint (section 6)
 
 CHECKPOINT_FILES = ["model.pt", "optimizer.pt", "train_state.pt", "checksums.json"]
 # keys a resumed run must share with its checkpoint (they shape the model), and the value a
@@ -765,7 +765,7 @@ def restore_rng(saved_states, rank, seed, step):
         torch.cuda.set_rng_state(saved_states[rank]["cuda"].cpu())
 
 
-# ----------------------------------------------------------------------------- 1. config (helpers)
+# ---------------------------------------------------------- the other sections' helpers: 1. config
 
 CHOICES = {
     "model.task": ["auto", "causal", "mlm"],
@@ -1092,7 +1092,7 @@ def on_all_ranks(function, *args):
     return result
 
 
-# ----------------------------------------------------------------------------- 3. data (helpers)
+# ----------------------------------------------------------------------------- 3. data
 
 def prepare_command(data_dir):
     """The command that prepares text into data_dir: the default corpus, or the user's text."""
@@ -1677,7 +1677,7 @@ def export_image_model(raw_model, meta, final_dir):
 # ============================================================================== images: end
 
 
-# ----------------------------------------------------------------------------- 4. model (helpers)
+# ----------------------------------------------------------------------------- 4. model
 
 def load_pretrained_config(path):
     try:

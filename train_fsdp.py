@@ -387,7 +387,7 @@ def gather_full_model(raw_model, cfg, task, meta):
     return full_model
 
 
-# ----------------------------------------------------------------------------- 6. checkpoint
+# ---------------------------------------------------------------------- the checkpoint (section 6)
 
 CHECKPOINT_FILES = [".metadata", "train_state.pt", "checksums.json"]  # DCP writes .metadata last
 # keys a resumed run must share with its checkpoint (they shape the model), and the value a
@@ -785,7 +785,7 @@ def restore_rng(saved_states, rank, seed, step):
         torch.cuda.set_rng_state(saved_states[rank]["cuda"].cpu())
 
 
-# ----------------------------------------------------------------------------- 1. config (helpers)
+# ---------------------------------------------------------- the other sections' helpers: 1. config
 
 CHOICES = {
     "model.task": ["auto", "causal", "mlm"],
@@ -1111,7 +1111,7 @@ def on_all_ranks(function, *args):
     return result
 
 
-# ----------------------------------------------------------------------------- 3. data (helpers)
+# ----------------------------------------------------------------------------- 3. data
 
 def prepare_command(data_dir):
     """The command that prepares text into data_dir: the default corpus, or the user's text."""
@@ -1695,7 +1695,7 @@ def export_image_model(raw_model, meta, final_dir):
 # ============================================================================== images: end
 
 
-# ----------------------------------------------------------------------------- 4. model (helpers)
+# ----------------------------------------------------------------------------- 4. model
 
 def load_pretrained_config(path):
     try:
