@@ -325,7 +325,8 @@ while True:
         time.sleep(1)
 import torch.distributed as dist
 answered = []
-# wait_for_workers=False: this probe must not count as one of the workers the store waits for
+# wait_for_workers=False, like the missing world_size, keeps this probe out of the count of joined
+# workers that a master store can wait for; a client never waits for the others itself
 def ask_store():
     dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=5), wait_for_workers=False)
     answered.append(True)
