@@ -26,7 +26,12 @@
 # TORCH_ELASTIC_SHUTDOWN_TIMEOUT instead; older versions may not). The trainer then finishes its
 # step, writes a checkpoint and exits 3, and so does this script, with the trainer's line. torchrun
 # does not restart workers after a signal it got; workers that got one alone end every restart at
-# once. A second Ctrl-C at a terminal kills torchrun and its workers at once, without a checkpoint.
+# once. torchrun can get signals of its own too (Slurm signals every process; Ctrl-C reaches it once
+# its workers run). A second one during its shutdown sends every worker SIGTERM again and waits 30 s
+# anew; a third ends the shutdown: no more waiting, no SIGKILL, the workers finish alone, and
+# torchrun never exits (Python waits at exit for its log threads, which nothing stops now), so this
+# script ends it once its workers are gone. A second Ctrl-C at a terminal makes this script kill
+# torchrun and its workers at once, without a checkpoint.
 # Exit codes: 0 done; 1 a rank failed or was lost (a restart may help); 2 a mistake to fix (a check
 # failed, or the first rank to fail exited 2); 3 stopped (a checkpoint written: the last line says
 # how to go on).
@@ -320,7 +325,8 @@ while True:
         time.sleep(1)
 import torch.distributed as dist
 answered = []
-# wait_for_workers=False: this probe must not count as one of the workers the store waits for
+# wait_for_workers=False, like the missing world_size, keeps this probe out of the count of joined
+# workers that a master store can wait for; a client never waits for the others itself
 def ask_store():
     dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=5), wait_for_workers=False)
     answered.append(True)
@@ -378,8 +384,7 @@ stop_torchrun() {  # trap for SIGTERM and SIGINT, set before torchrun starts
     fi
     return
   fi
-  # Once: torchrun may get the signal directly too (Ctrl-C reaches the whole process group), and a
-  # third SIGTERM makes it exit at once, leaving its workers running.
+  # Once: torchrun may get signals of its own too, and a third would break its shutdown (see the top).
   # SIGTERM also for SIGINT: torchrun, a background job, ignores SIGINT until its workers start.
   STOPPED_BY=$1
   if [ -n "$TORCHRUN_PID" ]; then kill -TERM "$TORCHRUN_PID" 2>/dev/null || true; fi
@@ -433,8 +438,8 @@ live_children() {  # whether a process has a child that has not ended (a zombie 
 
 status=0
 wait "$TORCHRUN_PID" || status=$?
-# A trapped signal ends `wait` early: watch torchrun until it exits. A second SIGTERM breaks its
-# shutdown (it waits for its workers no more, and never exits): once they are gone, it is ended.
+# A trapped signal ends `wait` early: watch torchrun until it exits. One still running 10 s after
+# its last worker ended is stuck (a third signal: see the top) and is ended.
 idle=0
 while kill -0 "$TORCHRUN_PID" 2>/dev/null; do
   if live_children "$TORCHRUN_PID"; then idle=0; else idle=$((idle + 1)); fi

@@ -586,8 +586,8 @@ def main():
                       "(a larger vocabulary needs more text, or --tokenizer)")
         temp_dir.mkdir(parents=True)
         tokenizer.save(str(temp_dir / "tokenizer.json"))
-        # only now, so the saved file keeps the usual behaviour: a document that merely contains the
-        # text "<|endoftext|>" must not get a real separator id in the middle of it
+        # a document that merely contains the text "<|endoftext|>" must not get a real separator id;
+        # tokenizer.json does not store this flag: the export's tokenizer maps that text to the id
         tokenizer.encode_special_tokens = True
 
         stats, start_time = Counter(), time.perf_counter()

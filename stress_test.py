@@ -248,8 +248,8 @@ def beat(doing):
 
 
 def start_watchdog(timeout_s, rank):
-    """End this rank with a clear line when nothing finished for timeout_s: a dead or hung rank
-    would keep the others waiting in a collective for ever (NCCL's own watchdog only aborts)."""
+    """End this rank with one line naming what it waited in once nothing finished for timeout_s:
+    the backends' own timeout, 60 s longer, would end it too, without saying where."""
     beat("start")
 
     def watch():
@@ -533,7 +533,7 @@ def run_soak(args, sizes, device, rank, world_size, modulus):
             waits.append(time.perf_counter() - entered)
             wrong += count_wrong(output_buffer, op, rank, world_size, count, modulus)
             beat(f"soak: {op} at {size} B")
-        # every rank must stop after the same round, or some would wait for ever in a collective
+        # all ranks stop after the same round, or the rest would wait out --timeout in a collective
         time_up, wrong_so_far = all_reduce_floats(
             [time.monotonic() - started >= args.duration, wrong], dist.ReduceOp.SUM, device)
         if time_up or wrong_so_far:

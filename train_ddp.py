@@ -429,7 +429,7 @@ def time_stamp():
     return event
 
 
-# ----------------------------------------------------------------------------- 6. checkpoint
+# ---------------------------------------------------------------------- the checkpoint (section 6)
 
 CHECKPOINT_FILES = ["model.pt", "optimizer.pt", "train_state.pt", "checksums.json"]
 # keys a resumed run must share with its checkpoint (they shape the model), and the value a
@@ -495,7 +495,10 @@ def publish(temporary, final, keep):
     fsync_dir(temporary)
     os.rename(temporary, final)
     pointer = final.parent / f".latest-{os.getpid()}"
-    pointer.write_text(final.name)
+    with open(pointer, "w") as file:
+        file.write(final.name)
+        file.flush()
+        os.fsync(file.fileno())  # the rename below must not reach the disk before the name
     os.replace(pointer, final.parent / "latest")
     fsync_dir(final.parent)  # the new checkpoint and pointer are on disk before any old one goes
     for old in complete_checkpoints(final.parent)[:-keep]:
@@ -763,7 +766,7 @@ def restore_rng(saved_states, rank, seed, step):
         torch.cuda.set_rng_state(saved_states[rank]["cuda"].cpu())
 
 
-# ----------------------------------------------------------------------------- 1. config (helpers)
+# ---------------------------------------------------------- the other sections' helpers: 1. config
 
 CHOICES = {
     "model.task": ["auto", "causal", "mlm"],
@@ -1091,7 +1094,7 @@ def on_all_ranks(function, *args):
     return result
 
 
-# ----------------------------------------------------------------------------- 3. data (helpers)
+# ----------------------------------------------------------------------------- 3. data
 
 def prepare_command(data_dir):
     """The command that prepares text into data_dir: the default corpus, or the user's text."""
@@ -1676,7 +1679,7 @@ def export_image_model(raw_model, meta, final_dir):
 # ============================================================================== images: end
 
 
-# ----------------------------------------------------------------------------- 4. model (helpers)
+# ----------------------------------------------------------------------------- 4. model
 
 def load_pretrained_config(path):
     try:
