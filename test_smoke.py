@@ -129,10 +129,9 @@ def torchrun_command(nproc, script, *args, max_restarts=0):
 
 
 def torchrun(nproc, script, *args, timeout=300, must_pass=True, env_extra=None, max_restarts=0):
-    """`torchrun --nproc-per-node NPROC SCRIPT ARGS`. A run that must pass, without restarts, where
-    torchrun itself is not what a test is about, runs as forked_ranks: the same ranks, seconds
-    sooner."""
-    if must_pass and not max_restarts:
+    """`torchrun --nproc-per-node NPROC SCRIPT ARGS`. Without restarts (torchrun's own part) it runs
+    as forked_ranks: the same ranks, seconds sooner."""
+    if not max_restarts:
         result = forked_ranks(nproc, script, *args, env_extra=env_extra, timeout=timeout)
     else:
         result = run(torchrun_command(nproc, script, *args, max_restarts=max_restarts),
@@ -145,8 +144,9 @@ def torchrun(nproc, script, *args, timeout=300, must_pass=True, env_extra=None, 
 def forked_ranks(nproc, script, *args, env_extra=None, timeout=300):
     """What torchrun starts, without torchrun: NPROC ranks forked from this process (torch and the
     trainers imported already; a new interpreter spends seconds importing them), each running
-    SCRIPT as `python SCRIPT ARGS` would, in torchrun's environment. A rank that fails ends the
-    others at once. Returns a CompletedProcess of every rank's output, rank 0's first."""
+    SCRIPT as `python SCRIPT ARGS` would, in torchrun's environment. When a rank fails the others
+    end as under torchrun: those still running 2 s later get SIGTERM, then SIGKILL after 30 s; the
+    exit code is 1. Returns a CompletedProcess of every rank's output, rank 0's first."""
     if str(script).startswith("train_"):
         args = ("dist.timeout_s=120", *args)  # as torchrun_command
     port, logs = free_port(), Path(tempfile.mkdtemp(prefix="ranks-"))
@@ -182,15 +182,19 @@ def forked_ranks(nproc, script, *args, env_extra=None, timeout=300):
                 sys.stderr.flush()
                 os._exit(code)
         pids.append(pid)
-    codes, deadline = {}, time.monotonic() + timeout
+    codes, deadline, failed_at, signalled = {}, time.monotonic() + timeout, None, set()
     while len(codes) < nproc:
         for pid in pids:
             if pid not in codes and (status := os.waitpid(pid, os.WNOHANG))[0]:
                 codes[pid] = os.waitstatus_to_exitcode(status[1])
-        if any(codes.values()) or time.monotonic() > deadline:
-            for pid in set(pids) - set(codes):
+        now = time.monotonic()
+        failed_at = failed_at or (now if any(codes.values()) else None)
+        for pid in set(pids) - set(codes):
+            if now > deadline or (failed_at and now > failed_at + 32):
                 os.kill(pid, signal.SIGKILL)
-                codes[pid] = os.waitpid(pid, 0) and -signal.SIGKILL
+            elif failed_at and now > failed_at + 2 and pid not in signalled:
+                os.kill(pid, signal.SIGTERM)
+                signalled.add(pid)
         time.sleep(0.02)
     outputs = [[(logs / f"{rank}.{name}").read_text(errors="replace") for rank in range(nproc)]
                for name in ("out", "err")]
