@@ -142,68 +142,104 @@ def torchrun(nproc, script, *args, timeout=300, must_pass=True, env_extra=None, 
 
 
 def forked_ranks(nproc, script, *args, env_extra=None, timeout=300):
+    """Ranks(...) run to their end: a CompletedProcess of every rank's output, rank 0's first."""
+    return Ranks(nproc, script, *args, env_extra=env_extra).wait(timeout)
+
+
+class Ranks:
     """What torchrun starts, without torchrun: NPROC ranks forked from this process (torch and the
     trainers imported already; a new interpreter spends seconds importing them), each running
-    SCRIPT as `python SCRIPT ARGS` would, in torchrun's environment. When a rank fails the others
-    end as under torchrun: those still running 2 s later get SIGTERM, then SIGKILL after 30 s; the
-    exit code is 1. Returns a CompletedProcess of every rank's output, rank 0's first."""
-    if str(script).startswith("train_"):
-        args = ("dist.timeout_s=120", *args)  # as torchrun_command
-    port, logs = free_port(), Path(tempfile.mkdtemp(prefix="ranks-"))
-    pids = []
-    for rank in range(nproc):
+    SCRIPT as `python SCRIPT ARGS` would, in torchrun's environment, its output in files. When a
+    rank fails the others end as under torchrun: those still running 2 s later get SIGTERM, then
+    SIGKILL after 30 s; the exit code is then 1."""
+
+    def __init__(self, nproc, script, *args, env_extra=None):
+        if str(script).startswith("train_"):
+            args = ("dist.timeout_s=120", *args)  # as torchrun_command
+        self.script, self.args, self.codes = script, args, {}
+        self.logs, port = Path(tempfile.mkdtemp(prefix="ranks-")), free_port()
+        self.pids = [self.fork(rank, nproc, port, env_extra or {}) for rank in range(nproc)]
+
+    def fork(self, rank, nproc, port, env_extra):
         pid = os.fork()
-        if pid == 0:  # the child: never back into pytest
-            code = 1
+        if pid:
+            return pid
+        code = 1  # the child: never back into pytest
+        try:
+            for fd, name in [(1, "out"), (2, "err")]:
+                os.dup2(os.open(self.logs / f"{rank}.{name}", os.O_WRONLY | os.O_CREAT), fd)
+            sys.stdout = open(1, "w", buffering=1, closefd=False)
+            sys.stderr = open(2, "w", buffering=1, closefd=False)
+            os.environ.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **env_extra,
+                               "RANK": str(rank), "LOCAL_RANK": str(rank),
+                               "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
+                               "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                               "MASTER_PORT": str(port)})
+            torch.set_num_threads(1)
+            os.chdir(REPO)
+            sys.argv = [str(REPO / self.script), *map(str, self.args)]
             try:
-                for fd, name in [(1, "out"), (2, "err")]:
-                    os.dup2(os.open(logs / f"{rank}.{name}", os.O_WRONLY | os.O_CREAT), fd)
-                sys.stdout = open(1, "w", buffering=1, closefd=False)
-                sys.stderr = open(2, "w", buffering=1, closefd=False)
-                os.environ.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-                                   **(env_extra or {}), "RANK": str(rank),
-                                   "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
-                                   "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0",
-                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-                torch.set_num_threads(1)
-                os.chdir(REPO)
-                sys.argv = [str(REPO / script), *map(str, args)]
-                try:
-                    runpy.run_path(str(REPO / script), run_name="__main__")
-                    code = 0
-                except SystemExit as ending:
-                    code = ending.code if isinstance(ending.code, int) else int(bool(ending.code))
-                    if isinstance(ending.code, str):
-                        print(ending.code, file=sys.stderr)
-            except BaseException:
-                traceback.print_exc()
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)
-        pids.append(pid)
-    codes, deadline, failed_at, signalled = {}, time.monotonic() + timeout, None, set()
-    while len(codes) < nproc:
-        for pid in pids:
-            if pid not in codes and (status := os.waitpid(pid, os.WNOHANG))[0]:
-                codes[pid] = os.waitstatus_to_exitcode(status[1])
-        now = time.monotonic()
-        failed_at = failed_at or (now if any(codes.values()) else None)
-        for pid in set(pids) - set(codes):
-            if now > deadline or (failed_at and now > failed_at + 32):
+                runpy.run_path(str(REPO / self.script), run_name="__main__")
+                code = 0
+            except SystemExit as ending:
+                code = ending.code if isinstance(ending.code, int) else int(bool(ending.code))
+                if isinstance(ending.code, str):
+                    print(ending.code, file=sys.stderr)
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+
+    def poll(self):
+        """None while every rank runs, else the exit code so far (1 if any failed)."""
+        for pid in self.pids:
+            if pid not in self.codes and (status := os.waitpid(pid, os.WNOHANG))[0]:
+                self.codes[pid] = os.waitstatus_to_exitcode(status[1])
+        return int(any(self.codes.values())) if self.codes else None
+
+    def output(self, name="out", rank=None):
+        ranks = range(len(self.pids)) if rank is None else [rank]
+        return "".join((self.logs / f"{r}.{name}").read_text(errors="replace") for r in ranks)
+
+    def read_until(self, prefix, timeout=180):
+        """Wait until rank 0 has printed a line starting with prefix."""
+        deadline = time.monotonic() + timeout
+        while not re.search(rf"^{re.escape(prefix)}", self.output(rank=0), re.MULTILINE):
+            if time.monotonic() > deadline or len(self.codes) == len(self.pids):
+                pytest.fail(self.output()[-3000:] + self.output("err")[-3000:])
+            self.poll()
+            time.sleep(0.05)
+
+    def kill(self):
+        for pid in set(self.pids) - set(self.codes):
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            elif failed_at and now > failed_at + 2 and pid not in signalled:
-                os.kill(pid, signal.SIGTERM)
-                signalled.add(pid)
-        time.sleep(0.02)
-    outputs = [[(logs / f"{rank}.{name}").read_text(errors="replace") for rank in range(nproc)]
-               for name in ("out", "err")]
-    shutil.rmtree(logs)
-    if time.monotonic() > deadline:
-        pytest.fail(f"timed out after {timeout} s: {script} {args}\n"
-                    f"{''.join(outputs[0])[-4000:]}\n{''.join(outputs[1])[-4000:]}")
-    return subprocess.CompletedProcess(["forked", script, *args], int(any(codes.values())),
-                                       "".join(outputs[0]), "".join(outputs[1]))
+        while len(self.codes) < len(self.pids):
+            self.poll()
+            time.sleep(0.02)
+
+    def wait(self, timeout=300):
+        deadline, failed_at, signalled = time.monotonic() + timeout, None, set()
+        while len(self.codes) < len(self.pids):
+            self.poll()
+            now = time.monotonic()
+            failed_at = failed_at or (now if any(self.codes.values()) else None)
+            for pid in set(self.pids) - set(self.codes):
+                if now > deadline or (failed_at and now > failed_at + 32):
+                    os.kill(pid, signal.SIGKILL)
+                elif failed_at and now > failed_at + 2 and pid not in signalled:
+                    os.kill(pid, signal.SIGTERM)
+                    signalled.add(pid)
+            time.sleep(0.02)
+        stdout, stderr = self.output(), self.output("err")
+        shutil.rmtree(self.logs)
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout} s: {self.script} {self.args}\n"
+                        f"{stdout[-4000:]}\n{stderr[-4000:]}")
+        return subprocess.CompletedProcess(["forked", self.script, *self.args], self.poll(),
+                                           stdout, stderr)
 
 
 def assert_one_line_error(result, *fragments, under_torchrun=False):
@@ -2758,27 +2794,15 @@ def nans_then_sigterm_run(data_dir, tmp_path_factory):
     faults tests read it), then SIGTERM to rank 1 alone once step 6 is logged. Returns (out_dir,
     exit code, output)."""
     out = tmp_path_factory.mktemp("nans_then_sigterm")
-    command = torchrun_command(2, "train_ddp.py", f"data.dir={data_dir}", *NANS_THEN_STOP,
-                               f"out_dir={out}", f"checkpoint.dir={out}/ckpt")
-    process = subprocess.Popen(command, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1",
-                                                       "PYTHONUNBUFFERED": "1",
-                                                       "FAULT": "nan:1:3,nan:0:4"},
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               start_new_session=True)
-    output = []
+    ranks = Ranks(2, "train_ddp.py", f"data.dir={data_dir}", *NANS_THEN_STOP, f"out_dir={out}",
+                  f"checkpoint.dir={out}/ckpt", env_extra={"FAULT": "nan:1:3,nan:0:4"})
     try:
-        read_until(process, "step 6/", output)
-        port = command[command.index("--master-port") + 1]
-        rank1 = [pid for pid in os.listdir("/proc") if pid.isdigit()
-                 and process_env(pid).get("RANK") == "1"
-                 and process_env(pid).get("MASTER_PORT") == port]
-        assert len(rank1) == 1, rank1
-        os.kill(int(rank1[0]), signal.SIGTERM)
-        output += process.stdout.readlines()
-        process.wait(timeout=120)
+        ranks.read_until("step 6/")
+        os.kill(ranks.pids[1], signal.SIGTERM)
+        result = ranks.wait(timeout=120)
     finally:
-        kill_process_tree(process.pid)
-    return out, process.returncode, "".join(output)
+        ranks.kill()
+    return out, result.returncode, result.stdout + result.stderr
 
 
 def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step_with_a_checkpoint(
@@ -2926,31 +2950,22 @@ def test_a_second_run_on_a_checkpoint_dir_in_use_stops_at_once_and_the_first_run
     command = torchrun_command(2, "train_ddp.py", f"data.dir={data_dir}", *EIGHT_STEPS,
                                "model.dropout=0.1", "dist.timeout_s=600",
                                f"out_dir={tmp_path}/first", f"checkpoint.dir={tmp_path}/ckpt")
-    port = command[command.index("--master-port") + 1]
-    first = subprocess.Popen(command, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1",
-                                                     "PYTHONUNBUFFERED": "1"},
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             start_new_session=True)
-    output, workers = [], []
+    first = Ranks(2, "train_ddp.py", *command[command.index(str(REPO / "train_ddp.py")) + 1:])
     try:
-        # rank 0 has held the lock since before step 0's validation
-        read_until(first, "step 1/", output)
-        workers = [pid for pid in processes_of(port) if "RANK" in process_env(pid)]
-        assert len(workers) == 2, workers
-        for pid in workers:
+        first.read_until("step 1/")  # rank 0 has held the lock since before step 0's validation
+        for pid in first.pids:
             os.kill(pid, signal.SIGSTOP)
         error, _ = train_in_process(f"data.dir={data_dir}", *EIGHT_STEPS,
                                     f"out_dir={tmp_path}/second", f"checkpoint.dir={tmp_path}/ckpt")
-        for pid in workers:
+        for pid in first.pids:
             os.kill(pid, signal.SIGCONT)
-        output += first.stdout.readlines()
-        first.wait(timeout=240)
+        result = first.wait(timeout=240)
     finally:
-        for pid in workers:
+        for pid in first.pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
-        kill_process_tree(first.pid)
-    assert first.returncode == 0, "".join(output)[-3000:]
+        first.kill()
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert error and f"{tmp_path}/ckpt is in use by another run (host {socket.gethostname()}, " \
         f"PID" in error and "-> wait for it to end" in error, error
     assert not (tmp_path / "second").exists()
@@ -3075,20 +3090,17 @@ def test_prometheus_answers_during_a_run_with_the_logged_numbers_and_a_slow_rank
                                "log.every=2", "checkpoint.every=0", "train.eval_every=100",
                                f"log.prometheus_port={port}", f"out_dir={tmp_path}",
                                f"checkpoint.dir={tmp_path}/ckpt")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "FAULT": "slow:1:3,hang:0:5,hang:1:5"}
-    log = tmp_path / "output.log"
-    with open(log, "w") as output:  # a file, not a pipe: nobody reads a pipe while the test polls
-        process = subprocess.Popen(command, cwd=REPO, env=env, stdout=output,
-                                   stderr=subprocess.STDOUT, start_new_session=True)
+    ranks = Ranks(2, "train_ddp.py", *command[command.index(str(REPO / "train_ddp.py")) + 1:],
+                  env_extra={"FAULT": "slow:1:3,hang:0:5,hang:1:5"})
     try:
         deadline, scraped = time.monotonic() + 240, [None, None]
         while not all(s and s.get("trainer_step") == 4 for s in scraped):
-            assert process.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            assert ranks.poll() is None and time.monotonic() < deadline, \
+                ranks.output()[-3000:] + ranks.output("err")[-3000:]
             time.sleep(0.5)
             scraped = [scrape(port), scrape(port + 1)]
     finally:
-        kill_process_tree(process.pid)
-        process.wait()
+        ranks.kill()
     record = {r["step"]: r for r in read_metrics(tmp_path, "train")}[4]
     numbers = {f"trainer_{key}": value for key, value in record.items()
                if isinstance(value, (int, float))}
