@@ -1,5 +1,5 @@
 """The tests: CPU only, gloo, tiny models, a process per rank where behaviour is distributed
-(torchrun itself where its restarts are tested, else ranks forked from this process: Ranks).
+(launch.sh and torchrun where they are what is tested, else ranks forked from this process: Ranks).
 
     python3 -m pytest -q test_smoke.py
 
