@@ -152,12 +152,13 @@ class Ranks:
     trainers imported already; a new interpreter spends seconds importing them), each running
     SCRIPT as `python SCRIPT ARGS` would, in torchrun's environment, its output in files. When a
     rank fails the others end as under torchrun: those still running 2 s later get SIGTERM, then
-    SIGKILL after 30 s; the exit code is then 1."""
+    SIGKILL after 30 s; the exit code is then 1. cwd: a directory the script is copied into, run
+    there as alone: this repository off sys.path and its modules forgotten."""
 
-    def __init__(self, nproc, script, *args, env_extra=None):
+    def __init__(self, nproc, script, *args, env_extra=None, cwd=REPO):
         if str(script).startswith("train_"):
             args = ("dist.timeout_s=120", *args)  # as torchrun_command
-        self.script, self.args, self.codes = script, args, {}
+        self.script, self.args, self.codes, self.cwd = script, args, {}, Path(cwd)
         self.logs, port = Path(tempfile.mkdtemp(prefix="ranks-")), free_port()
         self.pids = [self.fork(rank, nproc, port, env_extra or {}) for rank in range(nproc)]
 
@@ -177,10 +178,14 @@ class Ranks:
                                "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                                "MASTER_PORT": str(port)})
             torch.set_num_threads(1)
-            os.chdir(REPO)
-            sys.argv = [str(REPO / self.script), *map(str, self.args)]
+            os.chdir(self.cwd)
+            if self.cwd != REPO:
+                sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != REPO]
+                for name in ["train_ddp", "train_fsdp", "preprocess", "stress_test"]:
+                    sys.modules.pop(name, None)
+            sys.argv = [str(self.cwd / self.script), *map(str, self.args)]
             try:
-                runpy.run_path(str(REPO / self.script), run_name="__main__")
+                runpy.run_path(str(self.cwd / self.script), run_name="__main__")
                 code = 0
             except SystemExit as ending:
                 code = ending.code if isinstance(ending.code, int) else int(bool(ending.code))
@@ -5441,12 +5446,10 @@ def test_a_trainer_with_every_optional_part_deleted_trains_a_causal_model_copied
     work = tmp_path / "alone"
     shutil.copytree(data_dir, work / "data" / "stdlib")
     (work / trainer).write_text(source)
-    command = torchrun_command(2, trainer, *TINY_MODEL, "train.global_batch_size=16",
-                               "train.micro_batch_size=4", "train.max_steps=6",
-                               "checkpoint.every=3", "train.eval_every=3", "log.every=1",
-                               "optim.lr=1e-2", "optim.warmup_steps=2", "log.sample_prompt=")
-    command[command.index(str(REPO / trainer))] = trainer
-    result = run(command, cwd=work)
+    result = Ranks(2, trainer, *TINY_MODEL, "train.global_batch_size=16",
+                   "train.micro_batch_size=4", "train.max_steps=6", "checkpoint.every=3",
+                   "train.eval_every=3", "log.every=1", "optim.lr=1e-2", "optim.warmup_steps=2",
+                   "log.sample_prompt=", cwd=work).wait()
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     val = read_metrics(work / "out", "val")
     assert val[-1]["val_loss"] < val[0]["val_loss"] \
@@ -5461,11 +5464,9 @@ def test_a_copy_of_train_ddp_alone_trains_on_two_ranks_with_its_built_in_default
     """No config.yaml beside it: the defaults built into the file (and the CPU preset) apply."""
     shutil.copytree(data_dir, tmp_path / "data" / "stdlib")
     shutil.copy(REPO / "train_ddp.py", tmp_path / "train_ddp.py")
-    command = torchrun_command(2, "train_ddp.py", "train.max_steps=4", "train.eval_every=4",
-                               "log.every=2", "train.eval_batches=1", "checkpoint.every=4",
-                               "log.sample_prompt=")
-    command[command.index(str(REPO / "train_ddp.py"))] = "train_ddp.py"
-    result = run(command, cwd=tmp_path)
+    result = Ranks(2, "train_ddp.py", "train.max_steps=4", "train.eval_every=4", "log.every=2",
+                   "train.eval_batches=1", "checkpoint.every=4", "log.sample_prompt=",
+                   cwd=tmp_path).wait()
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     # CPU preset
     assert "global batch 32 samples = 2 ranks x 1 micro-batches x 16 samples" in result.stdout
