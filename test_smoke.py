@@ -120,10 +120,14 @@ def run(command, env_extra=None, timeout=300, cwd=REPO):
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
+def with_timeout(script, args):
+    """A hung collective fails (naming the lost ranks) before the test's timeout; a test's own
+    dist.timeout_s comes later and wins."""
+    return ("dist.timeout_s=120", *args) if str(script).startswith("train_") else args
+
+
 def torchrun_command(nproc, script, *args, max_restarts=0):
-    # a hung collective fails (naming the lost ranks) before the test's timeout
-    if str(script).startswith("train_"):
-        args = ("dist.timeout_s=120", *args)  # a test's own dist.timeout_s comes later and wins
+    args = with_timeout(script, args)
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
             "--max-restarts", str(max_restarts), "--master-addr", "127.0.0.1",
             "--master-port", str(free_port()), str(REPO / script), *args]
@@ -156,9 +160,8 @@ class Ranks:
     there as alone: this repository off sys.path and its modules forgotten."""
 
     def __init__(self, nproc, script, *args, env_extra=None, cwd=REPO):
-        if str(script).startswith("train_"):
-            args = ("dist.timeout_s=120", *args)  # as torchrun_command
-        self.script, self.args, self.codes, self.cwd = script, args, {}, Path(cwd)
+        self.script, self.args, self.codes = script, with_timeout(script, args), {}
+        self.cwd = Path(cwd)
         self.logs, port = Path(tempfile.mkdtemp(prefix="ranks-")), free_port()
         self.pids = [self.fork(rank, nproc, port, env_extra or {}) for rank in range(nproc)]
 
@@ -2953,10 +2956,9 @@ def test_a_second_run_on_a_checkpoint_dir_in_use_stops_at_once_and_the_first_run
     alive and holding the lock however long the second takes to start, which no fixed slowdown of
     the first could promise. The second runs in this process: rank 0 takes the lock and hands its
     error to every rank (on_rank0, tested on its own), so one rank shows what each would do."""
-    command = torchrun_command(2, "train_ddp.py", f"data.dir={data_dir}", *EIGHT_STEPS,
-                               "model.dropout=0.1", "dist.timeout_s=600",
-                               f"out_dir={tmp_path}/first", f"checkpoint.dir={tmp_path}/ckpt")
-    first = Ranks(2, "train_ddp.py", *command[command.index(str(REPO / "train_ddp.py")) + 1:])
+    first = Ranks(2, "train_ddp.py", f"data.dir={data_dir}", *EIGHT_STEPS, "model.dropout=0.1",
+                  "dist.timeout_s=600", f"out_dir={tmp_path}/first",
+                  f"checkpoint.dir={tmp_path}/ckpt")
     try:
         first.read_until("step 1/")  # rank 0 has held the lock since before step 0's validation
         for pid in first.pids:
@@ -3092,11 +3094,9 @@ def test_prometheus_answers_during_a_run_with_the_logged_numbers_and_a_slow_rank
     so the interval of steps 3-4 names rank 1 slowest, with a large data wait. Both ranks stop
     (hang) in step 5, so each endpoint holds step 4's numbers while the test reads them."""
     port = free_port()
-    command = torchrun_command(2, "train_ddp.py", f"data.dir={data_dir}", *EIGHT_STEPS,
-                               "log.every=2", "checkpoint.every=0", "train.eval_every=100",
-                               f"log.prometheus_port={port}", f"out_dir={tmp_path}",
-                               f"checkpoint.dir={tmp_path}/ckpt")
-    ranks = Ranks(2, "train_ddp.py", *command[command.index(str(REPO / "train_ddp.py")) + 1:],
+    ranks = Ranks(2, "train_ddp.py", f"data.dir={data_dir}", *EIGHT_STEPS, "log.every=2",
+                  "checkpoint.every=0", "train.eval_every=100", f"log.prometheus_port={port}",
+                  f"out_dir={tmp_path}", f"checkpoint.dir={tmp_path}/ckpt",
                   env_extra={"FAULT": "slow:1:3,hang:0:5,hang:1:5"})
     try:
         deadline, scraped = time.monotonic() + 240, [None, None]
@@ -5506,6 +5506,11 @@ def test_functions_both_trainers_define_are_the_same_source_but_fsdps_own():
     assert {"shard_model", "gather_full_model"} <= set(fsdp) - set(ddp)
     assert {"wrap_model", "InlineReducer",
             "NaiveReducer", "TieredEmbedding"} <= set(ddp) - set(fsdp)
+    # preprocess.py, which runs alone, reads config.yaml with its own copy of the trainers' loader
+    loader = [re.search(r"class ConfigLoader\(yaml.SafeLoader\):.*?first_chars\)\n",
+                        (REPO / name).read_text(), re.S).group(0)
+              for name in ["train_ddp.py", "preprocess.py"]]
+    assert loader[0] == loader[1]
 
 
 # Lines per file: a budget against growth.

@@ -350,7 +350,6 @@ def gradient_sync(raw_model, use_compile):
     return raw_model, SimpleNamespace(sync=sync)
 
 
-
 def local(tensor, whole=False):
     """This rank's shard of a sharded tensor (whole=True: all shards, alike on every rank); one
     rank's unsharded tensor as it is."""
