@@ -1602,20 +1602,16 @@ def figures(stage_records):
         row("fsdp_shapeB_2gpu_tokens_per_sec", fsdp.get("tokens_per_sec"), "tokens/s",
             "train_ddp.py, same shape, same call", ddp.get("tokens_per_sec"), fsdp.get("command"),
             ddp.get("command"), fsdp)
-    for shape in ["A", "B"]:  # one GPU: the mean of a stage's turns on each side
+    for shape in ["A", "B"]:
         stage = by_stage.get(f"fsdp_shape{shape}_1gpu", {})
-        fsdp = [r for side, r in stage.items() if side.split("#")[0] == "ours_fsdp"]
-        ddp = [r for side, r in stage.items() if side.split("#")[0] == "ours"]
-        rates = [[r.get("tokens_per_sec") for r in sides] for sides in (fsdp, ddp)]
-        if fsdp and None not in rates[0] + rates[1]:
-            spread = max(r.get("tokens_per_sec_max_over_min") or 0 for r in fsdp)
-            row(f"fsdp_vs_ddp_shape{shape}_1gpu_tokens_per_sec", sum(rates[0]) / len(rates[0]),
+        fsdp, ddp = stage.get("ours_fsdp"), stage.get("ours") or {}
+        if fsdp:
+            row(f"fsdp_vs_ddp_shape{shape}_1gpu_tokens_per_sec", fsdp.get("tokens_per_sec"),
                 "tokens/s", "train_ddp.py, same shape and batch, same call",
-                sum(rates[1]) / len(rates[1]), fsdp[0].get("command"), ddp[0].get("command"),
-                fsdp[0], note=f"FSDP {[round(x) for x in rates[0]]}, DDP "
-                              f"{[round(x) for x in rates[1]]}; FSDP's max/min over the window "
-                              f"{spread:.3f}; peak GiB FSDP {fsdp[0].get('peak_mem_gib')}, DDP "
-                              f"{ddp[0].get('peak_mem_gib')}")
+                ddp.get("tokens_per_sec"), fsdp.get("command"), ddp.get("command"), fsdp,
+                note=f"max/min over the window FSDP {fsdp.get('tokens_per_sec_max_over_min')}, "
+                     f"DDP {ddp.get('tokens_per_sec_max_over_min')}; peak GiB FSDP "
+                     f"{fsdp.get('peak_mem_gib')}, DDP {ddp.get('peak_mem_gib')}")
     for name, label, sides in [
             ("fp8_llama1p3b_1gpu", "llama1p3b", ("config:llama_fp8", "config:llama")),
             ("fp8_shapeB_1gpu", "shapeB", ("config:llama_fp8", "config:llama")),
