@@ -3583,6 +3583,22 @@ def test_fp8_trains_the_blocks_linear_layers_of_sizes_in_multiples_of_16_and_not
     assert type(llama.model.layers[0].self_attn.q_proj) is torch.nn.Linear  # bf16: untouched
 
 
+def test_fp8_compiles_each_block_on_its_own_and_not_the_whole_model():
+    """Under fp8 the blocks get a compiled forward of their own and the caller is told not to
+    compile the model whole (which would trace through them again, as one graph); otherwise the
+    model is left to the whole-model compile."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    llama = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "llama", vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=64))
+    for precision, use_compile, whole in [("bf16", True, True), ("fp8", False, False),
+                                          ("fp8", True, False)]:
+        cfg = SimpleNamespace(train=SimpleNamespace(precision=precision))
+        assert train_ddp.compile_fp8_blocks(llama, cfg, use_compile) is whole
+        compiled = [block._compiled_call_impl is not None for block in llama.model.layers]
+        assert compiled == [precision == "fp8" and use_compile] * 2, (precision, use_compile)
+
+
 def test_fp8_is_refused_in_one_line_where_it_cannot_pay(monkeypatch, data_dir, tmp_path):
     """A CPU, a GPU below compute capability 8.9, eager mode, no torchao; and a precision the
     config does not know."""

@@ -121,6 +121,21 @@ STAGES = {
                                                  ["train.precision=fp8"]}},
     "fp8_shapeB_1gpu": {"sides": ["config:llama", "config:llama_fp8"], "shape": "B", "gpus": 1,
                         "steps": 40, "skip_steps": 10, "log_every": 5, "timeout_s": 280},
+    # eager (train.compile=false; the variant lifts fp8's refusal of it): what fp8 gains without
+    # torch.compile, the reason for that refusal
+    "fp8_eager_llama1p3b_1gpu": {"sides": ["variant:fp8_eager", "variant:fp8_eager#fp8"],
+                                 "shape": "1.3B", "gpus": 1, "steps": 16, "skip_steps": 6,
+                                 "log_every": 2, "timeout_s": 150, "budget_s": 300,
+                                 "extra": ["model.type=llama", "model.intermediate_size=5440",
+                                           "train.compile=false"],
+                                 "side_extra": {"variant:fp8_eager#fp8": ["train.precision=fp8"]}},
+    # the loss after 300 steps on data/stdlib, fp8 against bf16: a global batch of 8 samples, so
+    # that 300 steps fit a call; the validation loss over 4 batches (the whole validation split)
+    "fp8_loss_llama1p3b_1gpu": {"sides": ["config:llama", "config:llama_fp8"], "shape": "1.3B",
+                                "gpus": 1, "steps": 300, "skip_steps": 20, "log_every": 25,
+                                "timeout_s": 280, "budget_s": 560,
+                                "batch": {"micro_batch_size": 8, "global_batch_size": 8},
+                                "extra": ["train.eval_batches=4"]},
     # train_fsdp.py against train_ddp.py on one GPU, micro-batches of 32 (the GPU default)
     "fsdp_shapeA_1gpu": {"sides": ["ours", "ours_fsdp"], "shape": "A",
                          "gpus": 1, "steps": 150, "skip_steps": 30, "log_every": 10,
@@ -321,6 +336,9 @@ VARIANTS = {
                         "        for block in repeated_blocks(raw_model) if use_compile else []:\n"
                         "            block.compile()\n"
                         "        return raw_model, nothing\n")],
+    # fp8 without torch.compile, which the trainer refuses
+    "fp8_eager": [("    if not use_compile:\n        return (\"train.precision=fp8 needs torch",
+                   "    if False:\n        return (\"train.precision=fp8 needs torch")],
     # each step's verdict read in that step: the host waits there for the GPU to finish the step
     "reference_same_step": [("        verdicts.defer(step + 1, verdict, step_label_tokens)\n",
                              "        verdicts.defer(step + 1, verdict, step_label_tokens)\n"
@@ -1024,6 +1042,8 @@ def read_our_metrics(records, skip_steps, images_per_step=None):
         # the caching allocator's retries (cudaFree, then cudaMalloc again): 0 = no fragmentation
         "alloc_retries": last("alloc_retries"),
         "loss_last": train[-1].get("loss"),
+        "val_loss_last": next((r["val_loss"] for r in reversed(records)
+                               if r.get("kind") == "val"), None),
         "memory": memory,
         # the mean of the window's intervals (an interval's p50/p95 are over its all-reduces)
         **{key: sum(values) / len(values) if values else None for key, values in comm.items()},
@@ -1616,7 +1636,11 @@ def figures(stage_records):
             ("fp8_llama1p3b_1gpu", "llama1p3b", ("config:llama_fp8", "config:llama")),
             ("fp8_shapeB_1gpu", "shapeB", ("config:llama_fp8", "config:llama")),
             ("fp8_blocks_llama1p3b_1gpu", "llama1p3b_blocks",
-             ("variant:compile_blocks#fp8", "variant:compile_blocks"))]:
+             ("variant:compile_blocks#fp8", "variant:compile_blocks")),
+            ("fp8_eager_llama1p3b_1gpu", "llama1p3b_eager",
+             ("variant:fp8_eager#fp8", "variant:fp8_eager")),
+            ("fp8_loss_llama1p3b_1gpu", "llama1p3b_global8",
+             ("config:llama_fp8", "config:llama"))]:
         stage = by_stage.get(name, {})
         fp8, bf16 = stage.get(sides[0]), stage.get(sides[1]) or {}
         if fp8:
@@ -1627,6 +1651,14 @@ def figures(stage_records):
                      f"loss at the last step fp8 {fp8.get('loss_last')}, bf16 "
                      f"{bf16.get('loss_last')}; MFU (against the bf16 peak) fp8 {fp8.get('mfu')}, "
                      f"bf16 {bf16.get('mfu')}")
+    losses = by_stage.get("fp8_loss_llama1p3b_1gpu", {})
+    fp8, bf16 = losses.get("config:llama_fp8") or {}, losses.get("config:llama") or {}
+    if fp8.get("val_loss_last") and bf16.get("val_loss_last"):
+        row("fp8_vs_bf16_llama1p3b_loss_ratio", fp8["val_loss_last"], "validation loss after 300 "
+            "steps (data/stdlib, the whole validation split)", "the same model in bf16, same call",
+            bf16["val_loss_last"], fp8.get("command"), bf16.get("command"), fp8,
+            note=f"last logged training loss fp8 {fp8.get('loss_last')}, bf16 "
+                 f"{bf16.get('loss_last')}")
     big = by_stage.get("fsdp_12b_2gpu", {}).get("ours_fsdp")
     if big:
         row("fsdp_12b_2gpu_tokens_per_sec", big.get("tokens_per_sec"), "tokens/s", None, None,
