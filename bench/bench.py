@@ -130,12 +130,27 @@ STAGES = {
                                            "train.compile=false"],
                                  "side_extra": {"variant:fp8_eager#fp8": ["train.precision=fp8"]}},
     # the loss after 300 steps on data/stdlib, fp8 against bf16: a global batch of 8 samples, so
-    # that 300 steps fit a call; the validation loss over 4 batches (the whole validation split)
-    "fp8_loss_llama1p3b_1gpu": {"sides": ["config:llama", "config:llama_fp8"], "shape": "1.3B",
-                                "gpus": 1, "steps": 300, "skip_steps": 20, "log_every": 25,
-                                "timeout_s": 280, "budget_s": 560,
+    # that 300 steps fit a call; the validation loss over 4 batches (the whole validation split).
+    # bf16 with its blocks compiled one by one as fp8's are: it compiles in a third of the time
+    "fp8_loss_llama1p3b_1gpu": {"sides": ["variant:compile_blocks", "variant:compile_blocks#fp8"],
+                                "shape": "1.3B", "gpus": 1, "steps": 300, "skip_steps": 20,
+                                "log_every": 25, "timeout_s": 280, "budget_s": 560,
                                 "batch": {"micro_batch_size": 8, "global_batch_size": 8},
-                                "extra": ["train.eval_batches=4"]},
+                                "extra": ["model.type=llama", "model.intermediate_size=5440",
+                                          "train.eval_batches=4"],
+                                "side_extra": {"variant:compile_blocks#fp8":
+                                               ["train.precision=fp8"]}},
+    # shape B's Llama, both sides' blocks compiled one by one (fp8's as the trainer does it)
+    "fp8_blocks_shapeB_1gpu": {"sides": ["variant:compile_blocks", "variant:compile_blocks#fp8"],
+                               "shape": "B", "gpus": 1, "steps": 40, "skip_steps": 10,
+                               "log_every": 5, "timeout_s": 220, "budget_s": 440,
+                               "extra": ["model.type=llama", "model.intermediate_size=3392"],
+                               "side_extra": {"variant:compile_blocks#fp8":
+                                              ["train.precision=fp8"]}},
+    # GPT-2 of shape B (the nanoGPT comparison's) with its blocks compiled one by one
+    "compile_blocks_shapeB_1gpu": {"sides": ["variant:compile_blocks"], "shape": "B", "gpus": 1,
+                                   "steps": 30, "skip_steps": 10, "log_every": 5,
+                                   "timeout_s": 200},
     # train_fsdp.py against train_ddp.py on one GPU, micro-batches of 32 (the GPU default)
     "fsdp_shapeA_1gpu": {"sides": ["ours", "ours_fsdp"], "shape": "A",
                          "gpus": 1, "steps": 150, "skip_steps": 30, "log_every": 10,
@@ -1640,7 +1655,9 @@ def figures(stage_records):
             ("fp8_eager_llama1p3b_1gpu", "llama1p3b_eager",
              ("variant:fp8_eager#fp8", "variant:fp8_eager")),
             ("fp8_loss_llama1p3b_1gpu", "llama1p3b_global8",
-             ("config:llama_fp8", "config:llama"))]:
+             ("variant:compile_blocks#fp8", "variant:compile_blocks")),
+            ("fp8_blocks_shapeB_1gpu", "shapeB_blocks",
+             ("variant:compile_blocks#fp8", "variant:compile_blocks"))]:
         stage = by_stage.get(name, {})
         fp8, bf16 = stage.get(sides[0]), stage.get(sides[1]) or {}
         if fp8:
@@ -1652,7 +1669,8 @@ def figures(stage_records):
                      f"{bf16.get('loss_last')}; MFU (against the bf16 peak) fp8 {fp8.get('mfu')}, "
                      f"bf16 {bf16.get('mfu')}")
     losses = by_stage.get("fp8_loss_llama1p3b_1gpu", {})
-    fp8, bf16 = losses.get("config:llama_fp8") or {}, losses.get("config:llama") or {}
+    fp8 = losses.get("variant:compile_blocks#fp8") or {}
+    bf16 = losses.get("variant:compile_blocks") or {}
     if fp8.get("val_loss_last") and bf16.get("val_loss_last"):
         row("fp8_vs_bf16_llama1p3b_loss_ratio", fp8["val_loss_last"], "validation loss after 300 "
             "steps (data/stdlib, the whole validation split)", "the same model in bf16, same call",
