@@ -3636,6 +3636,7 @@ def test_fp8_trains_resumes_in_bf16_and_exports_a_plain_model(trainer, data_dir,
                       f"out_dir={tmp_path}/fp8", f"checkpoint.dir={tmp_path}/fp8/c")
     assert "precision fp8" in result.stdout
     assert "fp8: 14 linear layers multiply in float8 (torchao, tensorwise)" in result.stdout
+    assert "fp8: width 32; on an H200 fp8 measured" in result.stdout  # narrow: told it may not pay
     shutil.copytree(tmp_path / "fp8/c/step_000002", tmp_path / "bf16/c/step_000002")
     torchrun(nproc, trainer, f"data.dir={data_dir}", *FP8_MODEL, "train.precision=bf16",
              "export=false", f"out_dir={tmp_path}/bf16", f"checkpoint.dir={tmp_path}/bf16/c")
