@@ -4,15 +4,16 @@
     bash launch.sh train_ddp.py model.type=vit       # a ViT on images (the digits by default)
     torchrun --nproc_per_node 8 train_ddp.py train.max_steps=1000 optim.lr=3e-4
 
-Read main() first: the seven sections of a run, a few lines each. Then train_step(), one optimizer
-step, and after it the parallelism written out: wrap_model() (DDP, a reducer of ours, or none),
-NaiveReducer and InlineReducer (what DDP does for you). Checkpoints follow, then the helpers by
-section. Defaults are DEFAULTS below; config.yaml beside this file (or a .yaml path given first) and
-section.key=value arguments override them. Optional parts go with the lines tagged for them: # MLM
-(masked-LM models such as BERT) and # images (ViT image classification), whose blocks stand by the
-data, and the blocks at the end, # metrics (TensorBoard, Prometheus, NVML), # tiered (an input
-embedding partly in CPU memory), # FAULT (fault injection for the tests). A line tagged # DDP is
-this file's alone in a definition train_fsdp.py otherwise shares word for word.
+Read main() first: the seven sections of a run, a few lines each, and above it Run, all that a run
+changes as it trains. Then train_step(), one optimizer step, and after it the parallelism written
+out: wrap_model() (DDP, a reducer of ours, or none), NaiveReducer and InlineReducer (what DDP does
+for you). Checkpoints follow, then the helpers by section. Defaults are DEFAULTS below; config.yaml
+beside this file (or a .yaml path given first) and section.key=value arguments override them.
+Optional parts go with the lines tagged for them: # MLM (masked-LM models such as BERT) and
+# images (ViT image classification), whose blocks stand by the data, and the blocks at the end,
+# metrics (TensorBoard, Prometheus, NVML, the all-reduces timed), # tiered (an input embedding
+partly in CPU memory), # FAULT (fault injection for the tests). A line tagged # DDP is this file's
+alone in a definition train_fsdp.py otherwise shares word for word.
 """
 
 import contextlib
@@ -92,8 +93,7 @@ STOP_REPEAT_S = 60  # signals this soon after the first only repeat it: Slurm an
 
 @dataclass
 class Run:
-    """Where the run is: main() moves it on after each step, save_checkpoint() writes it down and
-    resume() makes it again; helpers are given what they read and change none of it."""
+    """Where the run is: main() moves it on after each step, a checkpoint saves and restores it."""
     step: int = 0  # optimizer steps done
     position: int = 0  # samples of the shuffled stream trained on: the next step starts at this one
     tokens_seen: int = 0  # input tokens trained on
@@ -102,7 +102,7 @@ class Run:
 
 @dataclass(frozen=True)
 class Setup:
-    """What a run holds fixed once main() has built it; a timer or file in it keeps its count."""
+    """What stays fixed once main() has built the run; helpers read it (its timers still count)."""
     cfg: SimpleNamespace  # the settings: DEFAULTS, config.yaml, then the command line
     device: torch.device  # this rank's GPU, or the CPU
     autocast: torch.autocast  # the forward's mixed precision (disabled in fp32)
@@ -210,7 +210,7 @@ def main():
         result, batches = train_step(model, batches, optimizer, scheduler, scaler, setup, run)
         run.step, run.tokens_seen = run.step + 1, run.tokens_seen + result.input_tokens
         run.position += cfg.train.global_batch_size  # the data position: where the next step starts
-        run.bad_in_a_row = bad_steps_in_a_row(run.bad_in_a_row, result.bad, run.step, cfg)
+        run.bad_in_a_row = result.bad_in_a_row
         interval.add_step(result, flops_of)
         last = run.step == cfg.train.max_steps
         if run.step == memory_step:
@@ -262,7 +262,7 @@ def train_step(model, batches, optimizer, scheduler, scaler, setup, run):
     scaler.unscale_(optimizer)  # clip the true gradient, not the fp16-scaled one
     grad_norm = torch.nn.utils.clip_grad_norm_(setup.raw_model.parameters(),
                                                setup.cfg.optim.grad_clip or float("inf"))
-    bad, stop = step_verdict(grad_norm, setup)  # every rank decides alike, at the same step
+    bad, stop, in_a_row = step_verdict(grad_norm, setup, run)  # alike on every rank
     if not bad:  # a non-finite gradient: no update on any rank; the data and schedule move on
         optimizer.step()
     end_tiered_step(setup.raw_model, optimizer, bad)  # tiered
@@ -270,31 +270,27 @@ def train_step(model, batches, optimizer, scheduler, scaler, setup, run):
     lr = optimizer.param_groups[0]["lr"]  # the rate this step used: scheduler.step() sets the next
     scheduler.step()
     return SimpleNamespace(loss_sum=loss_sum, grad_norm=grad_norm, lr=lr, bad=bad, stop=stop,
-                           input_tokens=input_tokens, label_tokens=label_tokens,
-                           lengths=lengths), next_batches
+                           bad_in_a_row=in_a_row, input_tokens=input_tokens,
+                           label_tokens=label_tokens, lengths=lengths), next_batches
 
 
-def step_verdict(grad_norm, setup):
+def step_verdict(grad_norm, setup, run):
     """Is the gradient non-finite on some rank, and was some rank asked to stop? One all-reduce:
-    a NaN on one rank reaches all through the gradients, a signal may reach one rank only."""
+    a NaN on one rank reaches all through the gradients, a signal may reach one rank only. Returns
+    both, and the count of bad steps in a row with this one."""
     verdict = torch.full((2,), float(bool(setup.stop_requested)), device=setup.device)  # no copy
     verdict[0] = grad_norm.isfinite().logical_not()
     with setup.sync_wait:  # how long this rank waits here for the slowest: step_time_skew
         dist.all_reduce(verdict, op=dist.ReduceOp.MAX)
     bad, stop = (value > 0 for value in verdict.tolist())  # the host waits here for the GPU
-    return bad, stop
-
-
-def bad_steps_in_a_row(before, bad, step, cfg):
-    """The count of steps skipped one after another, with `step`'s verdict; too many end the run."""
-    count = before + 1 if bad else 0
+    in_a_row = run.bad_in_a_row + 1 if bad else 0
     if bad:
-        log0(f"step {step} | non-finite gradient: update skipped ({count} in a row)")
-    if count >= cfg.train.max_bad_steps:
-        die(f"{count} steps in a row had a non-finite gradient (train.max_bad_steps="
-            f"{cfg.train.max_bad_steps}); no update was made from them and no checkpoint holds "
-            "them -> lower optim.lr or raise optim.warmup_steps, and check the data")
-    return count
+        log0(f"step {run.step + 1} | non-finite gradient: update skipped ({in_a_row} in a row)")
+    if in_a_row >= setup.cfg.train.max_bad_steps:
+        die(f"{in_a_row} steps in a row had a non-finite gradient (train.max_bad_steps="
+            f"{setup.cfg.train.max_bad_steps}); no update was made from them and no checkpoint "
+            "holds them -> lower optim.lr or raise optim.warmup_steps, and check the data")
+    return bad, stop, in_a_row
 
 
 # ----------------------------------------------------------------------------- the parallelism
@@ -357,8 +353,7 @@ class NaiveReducer:
         for param in self.params:
             param.grad.div_(dist.get_world_size())
 
-    def all_reduce(self, flat):
-        """Start the sum of `flat` over the ranks, in place; returns at once, with the work."""
+    def all_reduce(self, flat):  # starts the sum over the ranks, in place, and returns at once
         return dist.all_reduce(flat, async_op=True)
 
     def wait(self, works):
@@ -2385,38 +2380,40 @@ def stop_exporters(exporters):
 
 
 def timed(parallel, hook):
-    """Time the all-reduces of wrap_model's `parallel` for the log line (comm_figures): each one's
-    start and end, and per step the communication backward did not hide. Our reducers' all_reduce()
-    and wait() are wrapped; for DDP the comm hook to register is returned: `hook` or, without one,
-    torch's allreduce_hook (DDP's own sum), timed. An end is stamped in a callback of the work's
-    future, which NCCL runs on a stream that waits for the all-reduce (gloo: once it is done);
-    neither makes the host wait."""
+    """Time wrap_model's all-reduces for the log line (comm_figures): each one's start and end, and
+    per step the communication backward did not hide. Our reducers' all_reduce() and wait() are
+    wrapped; for DDP, which takes one comm hook, the one to register is returned: `hook` or DDP's
+    own sum (torch's allreduce_hook), timed to its result (bf16: cast back). Ends are stamped in
+    callbacks of the futures, which NCCL runs on a stream that waits for the all-reduce (gloo: once
+    it is done): neither makes the host wait."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     times = parallel.comm_times = SimpleNamespace(allreduce=[], exposed=[])  # (start, end) each
-    if isinstance(parallel, (NaiveReducer, InlineReducer)):
-        all_reduce, wait = parallel.all_reduce, parallel.wait
 
-        def timed_all_reduce(flat):
-            started, work = time_stamp(), all_reduce(flat)
-            work.get_future().then(lambda _: times.allreduce.append((started, time_stamp())))
-            return work
-
-        def timed_wait(works):  # after backward: all of this wait is exposed
-            started = time_stamp()
-            wait(works)
-            times.exposed.append((started, time_stamp()))
-
-        parallel.all_reduce, parallel.wait = timed_all_reduce, timed_wait
-        return None
-
-    def timed_hook(state, bucket):
-        started, future = time_stamp(), (hook or allreduce_hook)(state, bucket)
-        future.then(lambda _: times.allreduce.append((started, time_stamp())))
-        if bucket.is_last():  # it starts as backward's compute ends: past that it is exposed
-            future.then(lambda _: times.exposed.append((started, time_stamp())))
+    def ended(future, started, spans):
+        future.then(lambda _: spans.append((started, time_stamp())))
         return future
 
-    return timed_hook
+    def timed_hook(state, bucket):
+        backward_end = time_stamp() if bucket.is_last() else None  # ready as backward ends
+        future = (hook or allreduce_hook)(state, bucket)
+        ended(future, time_stamp(), times.allreduce)  # started: the hook has divided or cast
+        return future if backward_end is None else ended(future, backward_end, times.exposed)
+
+    def timed_all_reduce(flat):
+        started, work = time_stamp(), all_reduce(flat)
+        ended(work.get_future(), started, times.allreduce)
+        return work
+
+    def timed_wait(works):  # our reducers wait after backward: the whole wait is exposed
+        started = time_stamp()
+        wait(works)
+        times.exposed.append((started, time_stamp()))
+
+    if not isinstance(parallel, (NaiveReducer, InlineReducer)):
+        return timed_hook
+    all_reduce, wait = parallel.all_reduce, parallel.wait
+    parallel.all_reduce, parallel.wait = timed_all_reduce, timed_wait
+    return None
 
 
 def time_stamp():

@@ -103,8 +103,7 @@ STOP_REPEAT_S = 60  # signals this soon after the first only repeat it: Slurm an
 
 @dataclass
 class Run:
-    """Where the run is: main() moves it on after each step, save_checkpoint() writes it down and
-    resume() makes it again; helpers are given what they read and change none of it."""
+    """Where the run is: main() moves it on after each step, a checkpoint saves and restores it."""
     step: int = 0  # optimizer steps done
     position: int = 0  # samples of the shuffled stream trained on: the next step starts at this one
     tokens_seen: int = 0  # input tokens trained on
@@ -113,7 +112,7 @@ class Run:
 
 @dataclass(frozen=True)
 class Setup:
-    """What a run holds fixed once main() has built it; a timer or file in it keeps its count."""
+    """What stays fixed once main() has built the run; helpers read it (its timers still count)."""
     cfg: SimpleNamespace  # the settings: DEFAULTS, config.yaml, then the command line
     device: torch.device  # this rank's GPU, or the CPU
     autocast: torch.autocast  # the forward's mixed precision (disabled in fp32)
@@ -220,7 +219,7 @@ def main():
         result, batches = train_step(model, batches, optimizer, scheduler, scaler, setup, run)
         run.step, run.tokens_seen = run.step + 1, run.tokens_seen + result.input_tokens
         run.position += cfg.train.global_batch_size  # the data position: where the next step starts
-        run.bad_in_a_row = bad_steps_in_a_row(run.bad_in_a_row, result.bad, run.step, cfg)
+        run.bad_in_a_row = result.bad_in_a_row
         interval.add_step(result, flops_of)
         last = run.step == cfg.train.max_steps
         if run.step == memory_step:
@@ -276,7 +275,7 @@ def train_step(model, batches, optimizer, scheduler, scaler, setup, run):
     grad_norm = torch.nn.utils.clip_grad_norm_(setup.raw_model.parameters(),
                                                setup.cfg.optim.grad_clip or float("inf"))
     grad_norm = local(grad_norm, whole=True)  # the norm over every shard, alike on every rank
-    bad, stop = step_verdict(grad_norm, setup)  # every rank decides alike, at the same step
+    bad, stop, in_a_row = step_verdict(grad_norm, setup, run)  # alike on every rank
     if not bad:  # a non-finite gradient: no update on any rank; the data and schedule move on
         optimizer.step()
         fp8_scales_after_update(setup.raw_model, setup.cfg)  # fp8
@@ -284,31 +283,27 @@ def train_step(model, batches, optimizer, scheduler, scaler, setup, run):
     lr = optimizer.param_groups[0]["lr"]  # the rate this step used: scheduler.step() sets the next
     scheduler.step()
     return SimpleNamespace(loss_sum=loss_sum, grad_norm=grad_norm, lr=lr, bad=bad, stop=stop,
-                           input_tokens=input_tokens, label_tokens=label_tokens,
-                           lengths=lengths), next_batches
+                           bad_in_a_row=in_a_row, input_tokens=input_tokens,
+                           label_tokens=label_tokens, lengths=lengths), next_batches
 
 
-def step_verdict(grad_norm, setup):
+def step_verdict(grad_norm, setup, run):
     """Is the gradient non-finite on some rank, and was some rank asked to stop? One all-reduce:
-    a NaN on one rank reaches all through the gradients, a signal may reach one rank only."""
+    a NaN on one rank reaches all through the gradients, a signal may reach one rank only. Returns
+    both, and the count of bad steps in a row with this one."""
     verdict = torch.full((2,), float(bool(setup.stop_requested)), device=setup.device)  # no copy
     verdict[0] = grad_norm.isfinite().logical_not()
     with setup.sync_wait:  # how long this rank waits here for the slowest: step_time_skew
         dist.all_reduce(verdict, op=dist.ReduceOp.MAX)
     bad, stop = (value > 0 for value in verdict.tolist())  # the host waits here for the GPU
-    return bad, stop
-
-
-def bad_steps_in_a_row(before, bad, step, cfg):
-    """The count of steps skipped one after another, with `step`'s verdict; too many end the run."""
-    count = before + 1 if bad else 0
+    in_a_row = run.bad_in_a_row + 1 if bad else 0
     if bad:
-        log0(f"step {step} | non-finite gradient: update skipped ({count} in a row)")
-    if count >= cfg.train.max_bad_steps:
-        die(f"{count} steps in a row had a non-finite gradient (train.max_bad_steps="
-            f"{cfg.train.max_bad_steps}); no update was made from them and no checkpoint holds "
-            "them -> lower optim.lr or raise optim.warmup_steps, and check the data")
-    return count
+        log0(f"step {run.step + 1} | non-finite gradient: update skipped ({in_a_row} in a row)")
+    if in_a_row >= setup.cfg.train.max_bad_steps:
+        die(f"{in_a_row} steps in a row had a non-finite gradient (train.max_bad_steps="
+            f"{setup.cfg.train.max_bad_steps}); no update was made from them and no checkpoint "
+            "holds them -> lower optim.lr or raise optim.warmup_steps, and check the data")
+    return bad, stop, in_a_row
 
 
 # ----------------------------------------------------------------------------- the parallelism
