@@ -340,7 +340,9 @@ class NaiveReducer:
 
     def __init__(self, model):
         self.params = [p for p in model.parameters() if p.requires_grad]
-        for tensor in [*model.parameters(), *model.buffers()]:  # every rank starts from rank 0's
+        # every rank starts from rank 0's weights, as DDP's constructor makes sure: ranks that
+        # differed would train different models on averaged gradients, silently
+        for tensor in [*model.parameters(), *model.buffers()]:
             dist.broadcast(tensor.detach(), src=0)
 
     def sync(self, last):
@@ -363,7 +365,7 @@ class NaiveReducer:
             work.wait()
 
 
-class InlineReducer:
+class InlineReducer(NaiveReducer):
     """What DDP does for you, in plain sight (dist.reducer=inline): every rank ends the step with
     the mean of all ranks' gradients, and the all-reduces run while backward still computes earlier
     layers.
@@ -375,16 +377,11 @@ class InlineReducer:
     size and hands the means to the optimizer as .grad. On the other micro-batches the hooks do
     nothing: gradients accumulate."""
 
-    all_reduce, wait = NaiveReducer.all_reduce, NaiveReducer.wait  # sums started and awaited alike
-
     def __init__(self, model, cfg):
+        super().__init__(model)  # self.params, and rank 0's weights on every rank
         self.wire_dtype = torch.bfloat16 if cfg.dist.grad_compression == "bf16" else torch.float32
-        # every rank starts from rank 0's weights, as DDP's constructor makes sure: ranks that
-        # differed would train different models on averaged gradients, silently
-        for tensor in [*model.parameters(), *model.buffers()]:
-            dist.broadcast(tensor.detach(), src=0)
         self.buckets, filled = [[]], 0
-        for param in reversed([p for p in model.parameters() if p.requires_grad]):
+        for param in reversed(self.params):
             if filled >= cfg.dist.bucket_mb * 2**20:  # DDP's rule: a bucket holds >= bucket_mb
                 self.buckets.append([])
                 filled = 0
@@ -2409,7 +2406,7 @@ def timed(parallel, hook):
         wait(works)
         times.exposed.append((started, time_stamp()))
 
-    if not isinstance(parallel, (NaiveReducer, InlineReducer)):
+    if not isinstance(parallel, NaiveReducer):  # InlineReducer is one too
         return timed_hook
     all_reduce, wait = parallel.all_reduce, parallel.wait
     parallel.all_reduce, parallel.wait = timed_all_reduce, timed_wait
