@@ -5435,6 +5435,20 @@ def test_each_optional_part_is_one_block_with_few_call_sites_and_deleting_it_lea
             assert name not in source, name
 
 
+def test_without_the_metrics_block_ddp_has_a_comm_hook_only_for_bf16_and_nothing_is_timed(
+        tmp_path):
+    """The all-reduce timing reaches the core through one tagged line: deleted with its block, DDP
+    gets a comm hook only for dist.grad_compression=bf16 and no all-reduce or wait is timed."""
+    stripped = tmp_path / "train_ddp.py"
+    stripped.write_text(without((REPO / "train_ddp.py").read_text(), "metrics"))
+    core = top_level_sources(stripped)
+    assert "hook = bf16_allreduce_hook if" in core["wrap_model"] \
+        and core["wrap_model"].count("register_comm_hook") == 1
+    parallelism = [core[name] for name in ("wrap_model", "NaiveReducer", "InlineReducer",
+                                           "bf16_allreduce_hook")]
+    assert not re.search(r"time_stamp|comm_times|timed|SpanTimer", "".join(parallelism))
+
+
 def test_preprocess_with_the_images_block_deleted_still_tokenizes_text(tmp_path):
     stripped = tmp_path / "preprocess.py"
     stripped.write_text(without((REPO / "preprocess.py").read_text(), "images"))
