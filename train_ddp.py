@@ -262,7 +262,7 @@ def train_step(model, batches, optimizer, scheduler, scaler, setup, run):
     scaler.unscale_(optimizer)  # clip the true gradient, not the fp16-scaled one
     grad_norm = torch.nn.utils.clip_grad_norm_(setup.raw_model.parameters(),
                                                setup.cfg.optim.grad_clip or float("inf"))
-    bad, stop, in_a_row = step_verdict(grad_norm, setup, run)  # alike on every rank
+    bad, stop, in_a_row = step_verdict(grad_norm, setup, run)  # every rank decides alike
     if not bad:  # a non-finite gradient: no update on any rank; the data and schedule move on
         optimizer.step()
     end_tiered_step(setup.raw_model, optimizer, bad)  # tiered
@@ -278,7 +278,8 @@ def step_verdict(grad_norm, setup, run):
     """Is the gradient non-finite on some rank, and was some rank asked to stop? One all-reduce:
     a NaN on one rank reaches all through the gradients, a signal may reach one rank only. Returns
     both, and the count of bad steps in a row with this one."""
-    verdict = torch.full((2,), float(bool(setup.stop_requested)), device=setup.device)  # no copy
+    # filled on the device: no copy from the host
+    verdict = torch.full((2,), float(bool(setup.stop_requested)), device=setup.device)
     verdict[0] = grad_norm.isfinite().logical_not()
     with setup.sync_wait:  # how long this rank waits here for the slowest: step_time_skew
         dist.all_reduce(verdict, op=dist.ReduceOp.MAX)
@@ -2269,7 +2270,7 @@ def report_lost_ranks(error):
 # ============================================================================== metrics: begin
 # Optional exporters: TensorBoard scalars (rank 0), a Prometheus endpoint per process, NVML's GPU
 # utilisation; and the all-reduces timed for the log line. Delete this block and the lines tagged
-# # metrics: metrics.jsonl stays, DDP has no comm hook but bf16's, and the reducers no timers.
+# for it (# metrics): metrics.jsonl stays, DDP has a comm hook for bf16 alone, no reducer a timer.
 
 def start_exporters(cfg, step, device):
     """Each exporter asked for, or None where its package is missing (said in one line)."""

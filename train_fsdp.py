@@ -275,7 +275,7 @@ def train_step(model, batches, optimizer, scheduler, scaler, setup, run):
     grad_norm = torch.nn.utils.clip_grad_norm_(setup.raw_model.parameters(),
                                                setup.cfg.optim.grad_clip or float("inf"))
     grad_norm = local(grad_norm, whole=True)  # the norm over every shard, alike on every rank
-    bad, stop, in_a_row = step_verdict(grad_norm, setup, run)  # alike on every rank
+    bad, stop, in_a_row = step_verdict(grad_norm, setup, run)  # every rank decides alike
     if not bad:  # a non-finite gradient: no update on any rank; the data and schedule move on
         optimizer.step()
         fp8_scales_after_update(setup.raw_model, setup.cfg)  # fp8
@@ -291,7 +291,8 @@ def step_verdict(grad_norm, setup, run):
     """Is the gradient non-finite on some rank, and was some rank asked to stop? One all-reduce:
     a NaN on one rank reaches all through the gradients, a signal may reach one rank only. Returns
     both, and the count of bad steps in a row with this one."""
-    verdict = torch.full((2,), float(bool(setup.stop_requested)), device=setup.device)  # no copy
+    # filled on the device: no copy from the host
+    verdict = torch.full((2,), float(bool(setup.stop_requested)), device=setup.device)
     verdict[0] = grad_norm.isfinite().logical_not()
     with setup.sync_wait:  # how long this rank waits here for the slowest: step_time_skew
         dist.all_reduce(verdict, op=dist.ReduceOp.MAX)
