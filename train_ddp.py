@@ -4,15 +4,16 @@
     bash launch.sh train_ddp.py model.type=vit       # a ViT on images (the digits by default)
     torchrun --nproc_per_node 8 train_ddp.py train.max_steps=1000 optim.lr=3e-4
 
-Read main() first: the seven sections of a run, a few lines each. Then train_step(), one optimizer
-step, and after it the parallelism written out: wrap_model() (DDP, a reducer of ours, or none),
-NaiveReducer and InlineReducer (what DDP does for you). Checkpoints follow, then the helpers by
-section. Defaults are DEFAULTS below; config.yaml beside this file (or a .yaml path given first) and
-section.key=value arguments override them. Optional parts go with the lines tagged for them: # MLM
-(masked-LM models such as BERT) and # images (ViT image classification), whose blocks stand by the
-data, and the blocks at the end, # metrics (TensorBoard, Prometheus, NVML), # tiered (an input
-embedding partly in CPU memory), # FAULT (fault injection for the tests). A line tagged # DDP is
-this file's alone in a definition train_fsdp.py otherwise shares word for word.
+Read main() first: the seven sections of a run, a few lines each, and above it Run, all that a run
+changes as it trains. Then train_step(), one optimizer step, and after it the parallelism written
+out: wrap_model() (DDP, a reducer of ours, or none), NaiveReducer and InlineReducer (what DDP does
+for you). Checkpoints follow, then the helpers by section. Defaults are DEFAULTS below; config.yaml
+beside this file (or a .yaml path given first) and section.key=value arguments override them.
+Optional parts go with the lines tagged for them: # MLM (masked-LM models such as BERT) and
+# images (ViT image classification), whose blocks stand by the data, and the blocks at the end,
+# metrics (TensorBoard, Prometheus, NVML, the all-reduces timed), # tiered (an input embedding
+partly in CPU memory), # FAULT (fault injection for the tests). A line tagged # DDP is this file's
+alone in a definition train_fsdp.py otherwise shares word for word.
 """
 
 import contextlib
@@ -33,6 +34,7 @@ import sys
 import tempfile
 import time
 import zlib
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
@@ -87,6 +89,35 @@ IGNORE_INDEX = -100  # the label F.cross_entropy skips: padding, and the positio
 # Exit codes: 0 done; 1 a rank was lost (a restart may help); 2 a mistake to fix (no restart would)
 EXIT_STOPPED = 3  # stopped by a signal after a checkpoint: run the same command again to go on
 STOP_REPEAT_S = 60  # signals this soon after the first only repeat it: Slurm and torchrun both send
+
+
+@dataclass
+class Run:
+    """Where the run is: main() moves it on after each step, a checkpoint saves and restores it."""
+    step: int = 0  # optimizer steps done
+    position: int = 0  # samples of the shuffled stream trained on: the next step starts at this one
+    tokens_seen: int = 0  # input tokens trained on
+    bad_in_a_row: int = 0  # the latest steps skipped, one after another, for a non-finite gradient
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What stays fixed once main() has built the run; helpers read it (its timers still count)."""
+    cfg: SimpleNamespace  # the settings: DEFAULTS, config.yaml, then the command line
+    device: torch.device  # this rank's GPU, or the CPU
+    autocast: torch.autocast  # the forward's mixed precision (disabled in fp32)
+    raw_model: torch.nn.Module  # the model itself: what the optimizer and checkpoints hold
+    train_data: object  # the train split's samples by index (ArrowTokens, ArrowImages)
+    meta: dict  # the data's meta.json: vocabulary, fingerprint, classes
+    parallel: SimpleNamespace  # sync(last) around each micro-batch: how gradients reach the ranks
+    loss_of: object  # the summed loss of (logits, labels), compiled or not
+    data_wait: "SpanTimer"  # the device's idle time while the host builds batches
+    sync_wait: "SpanTimer"  # this rank's wait for the slowest at each step's verdict
+    stop_requested: list  # the stop signal's name and time, once one came (catch_stop_signals)
+    peak_flops: float | None  # FLOP/s at 100% MFU, None where unknown
+    metrics: object  # metrics.jsonl, open for appending on rank 0 (None on the others)
+    lock: object  # rank 0's lock on checkpoint.dir: an open file, the lock lasts as long as it
+    exporters: SimpleNamespace = None  # TensorBoard, Prometheus and NVML of the metrics block
 
 
 def main():
@@ -145,128 +176,134 @@ def main():
     predicted = memory_prediction(raw_model, device)
 
     # ----------------------------------------------------------------------------- 6. checkpoint
-    run = SimpleNamespace(cfg=cfg, device=device, autocast=autocast, train_data=train_data,
-                          raw_model=raw_model, meta=meta, ckpt_dir=Path(cfg.checkpoint.dir), step=0,
-                          samples_seen=0, tokens_seen=0, bad_in_a_row=0)
+    ckpt_dir = Path(cfg.checkpoint.dir)
     # one run per directory: rank 0 holds a lock on it before it looks at any checkpoint
-    run.lock = on_rank0(hold_directory, run.ckpt_dir, cfg.checkpoint.every > 0, share_result=False)
+    lock = on_rank0(hold_directory, ckpt_dir, cfg.checkpoint.every > 0, share_result=False)
     if world_size > 1 and cfg.checkpoint.every > 0:  # every rank must see what rank 0 writes
-        check_shared_directory(run.ckpt_dir)
+        check_shared_directory(ckpt_dir)
     # Rank 0 alone picks the checkpoint: ranks that listed the directory themselves could see
     # different files (network filesystems cache listings) and would train different weights.
-    resume_dir = on_rank0(find_resume_checkpoint, run.ckpt_dir, cfg.checkpoint.resume)
-    if resume_dir is not None:
-        resume(resume_dir, run, optimizer, scheduler, scaler)
+    resume_dir = on_rank0(find_resume_checkpoint, ckpt_dir, cfg.checkpoint.resume)
+    run = Run() if resume_dir is None else resume(resume_dir, raw_model, optimizer, scheduler,
+                                                  scaler, cfg, meta)
 
     # -------------------------------------------------------------------------- 7. training loop
-    run.loss_of = loss_function(cfg, task, use_compile)
+    loss_of = loss_function(cfg, task, use_compile)
     use_compile = compile_fp8_blocks(raw_model, cfg, use_compile)  # fp8
-    run.timers = SimpleNamespace(data_wait=SpanTimer(device), sync_wait=SpanTimer(device),
-                                 comm_wait=None, allreduce_spans=[])  # comm_wait: our reducers'
-    model, run.parallel = wrap_model(raw_model, cfg, device, use_compile, run.timers)
-    run.peak_flops = peak_flops_per_gpu(device, cfg.log.peak_tflops)
-    run.metrics = on_rank0(open_metrics, Path(cfg.out_dir), run.step, share_result=False)
-    run.exporters = start_exporters(cfg, run.step, device)  # metrics
-    write_metrics(run, {"kind": "start", "step": run.step, "world_size": world_size,
-                        "time": time.time()})
+    model, parallel = wrap_model(raw_model, cfg, device, use_compile)
+    setup = Setup(cfg=cfg, device=device, autocast=autocast, raw_model=raw_model, meta=meta,
+                  train_data=train_data, parallel=parallel, loss_of=loss_of,
+                  data_wait=SpanTimer(device), sync_wait=SpanTimer(device), stop_requested=[],
+                  peak_flops=peak_flops_per_gpu(device, cfg.log.peak_tflops),
+                  metrics=on_rank0(open_metrics, Path(cfg.out_dir), run.step, share_result=False),
+                  exporters=start_exporters(cfg, run.step, device),  # metrics
+                  lock=lock)
+    write_metrics(setup, {"kind": "start", "step": run.step, "world_size": world_size,
+                          "time": time.time()})
     if run.step == 0:
         log0("step 0 | validation (the first steps include compilation)")
-        validate(model, val_data, run)
-    run.stop_requested = catch_stop_signals()  # SIGTERM, SIGINT: finish the step, save, stop
-    interval, batches = Interval(device), step_batches(run, run.samples_seen)
+        validate(model, val_data, setup, run.step)
+    catch_stop_signals(setup.stop_requested)  # SIGTERM, SIGINT: finish the step, save, stop
+    interval, batches = Interval(device), step_batches(setup, run.position)
     memory_step = min(run.step + 2, cfg.train.max_steps)  # AdamW makes its state in the first step
     while run.step < cfg.train.max_steps:
-        result = train_step(model, batches, optimizer, scheduler, scaler, run)
-        run.step, batches = run.step + 1, result.batches
-        interval.add_step(result, run, flops_of)
+        result, batches = train_step(model, batches, optimizer, scheduler, scaler, setup, run)
+        run.step, run.tokens_seen = run.step + 1, run.tokens_seen + result.input_tokens
+        run.position += cfg.train.global_batch_size  # the data position: where the next step starts
+        run.bad_in_a_row = result.bad_in_a_row
+        interval.add_step(result, flops_of)
         last = run.step == cfg.train.max_steps
         if run.step == memory_step:
-            report_memory(run, optimizer, predicted)
+            report_memory(setup, run.step, optimizer, predicted)
         if run.step % cfg.log.every == 0 or last or result.stop:
-            log_interval(interval, run, result)
+            log_interval(interval, setup, run, result)
         with interval.paused():  # validation and checkpoints are not training throughput
             if (run.step % cfg.train.eval_every == 0 or last) and not result.stop:
-                validate(model, val_data, run)
+                validate(model, val_data, setup, run.step)
             if cfg.checkpoint.every and (run.step % cfg.checkpoint.every == 0 or last or
                                          result.stop):
-                save_checkpoint(run, optimizer, scheduler, scaler)
+                save_checkpoint(setup, run, optimizer, scheduler, scaler)
         if result.stop:
-            raise Stopped(stop_message(run))
+            raise Stopped(stop_message(cfg, run.step))
 
     if cfg.export and not weights_are_finite(raw_model):
         die("the trained weights are not finite: not exported -> lower optim.lr")
-    if run.metrics:
-        run.metrics.close()
-    stop_exporters(run.exporters)  # metrics
+    if setup.metrics:
+        setup.metrics.close()
+    stop_exporters(setup.exporters)  # metrics
     if rank == 0 and cfg.export:
         export_final(raw_model, data_dir, meta, Path(cfg.out_dir) / "final", task, cfg, device)
     dist.barrier()  # ranks leave together: one that leaves during rank 0's export can abort at exit
 
 
-def train_step(model, batches, optimizer, scheduler, scaler, run):
-    """One optimizer step over this rank's micro-batches; returns what the log needs."""
-    micro_batches, _, label_tokens, _ = batches
+def train_step(model, batches, optimizer, scheduler, scaler, setup, run):
+    """One optimizer step over this rank's micro-batches: returns what the log needs, and the next
+    step's batches, built while the GPU runs this backward."""
+    micro_batches, input_tokens, label_tokens, lengths = batches
     optimizer.zero_grad(set_to_none=True)  # here, not after the update: the memory report uses them
     # The gradient must be that of the mean loss over every label token of the global batch, however
     # it is split: each micro-batch adds sum(loss) / (label tokens of the global batch), counted on
     # the host from the shared plan. The reduction averages over ranks: the world_size undoes that.
     loss_scale = dist.get_world_size() / max(1, label_tokens)
-    loss_sum = torch.zeros((), device=run.device, dtype=torch.float64)
+    loss_sum = torch.zeros((), device=setup.device, dtype=torch.float64)
     for index, batch in enumerate(micro_batches):
-        with run.parallel.sync(last=index == len(micro_batches) - 1):  # only the last reduces
-            with run.autocast:
+        with setup.parallel.sync(last=index == len(micro_batches) - 1):  # only the last reduces
+            with setup.autocast:
                 logits = model(**batch["inputs"]).logits
-            micro_loss = run.loss_of(logits, batch["labels"])
+            micro_loss = setup.loss_of(logits, batch["labels"])
             micro_loss = nan_fault(micro_loss, run.step + 1)  # FAULT
             scaler.scale(micro_loss * loss_scale).backward()
         del logits  # free now, not after the next forward
         loss_sum += micro_loss.detach()
-    with run.timers.data_wait:  # the next step's batches, built while the GPU runs this backward
+    with setup.data_wait:  # the next step's batches, built while the GPU runs this backward
         fault_point(run.step + 1)  # FAULT
-        next_batches = step_batches(run, run.samples_seen + run.cfg.train.global_batch_size)
-    run.parallel.finish()  # each gradient is now the mean over the ranks
+        next_batches = step_batches(setup, run.position + setup.cfg.train.global_batch_size)
+    setup.parallel.finish()  # each gradient is now the mean over the ranks
     scaler.unscale_(optimizer)  # clip the true gradient, not the fp16-scaled one
-    grad_norm = torch.nn.utils.clip_grad_norm_(run.raw_model.parameters(),
-                                               run.cfg.optim.grad_clip or float("inf"))
-    bad, stop = step_verdict(grad_norm, run)  # every rank decides alike, at the same step
+    grad_norm = torch.nn.utils.clip_grad_norm_(setup.raw_model.parameters(),
+                                               setup.cfg.optim.grad_clip or float("inf"))
+    bad, stop, in_a_row = step_verdict(grad_norm, setup, run)  # every rank decides alike
     if not bad:  # a non-finite gradient: no update on any rank; the data and schedule move on
         optimizer.step()
-    end_tiered_step(run.raw_model, optimizer, bad)  # tiered
+    end_tiered_step(setup.raw_model, optimizer, bad)  # tiered
     scaler.update()
     lr = optimizer.param_groups[0]["lr"]  # the rate this step used: scheduler.step() sets the next
     scheduler.step()
     return SimpleNamespace(loss_sum=loss_sum, grad_norm=grad_norm, lr=lr, bad=bad, stop=stop,
-                           batches=next_batches, done=batches)
+                           bad_in_a_row=in_a_row, input_tokens=input_tokens,
+                           label_tokens=label_tokens, lengths=lengths), next_batches
 
 
-def step_verdict(grad_norm, run):
+def step_verdict(grad_norm, setup, run):
     """Is the gradient non-finite on some rank, and was some rank asked to stop? One all-reduce:
-    a NaN on one rank reaches all through the gradients, a signal may reach one rank only."""
-    verdict = torch.full((2,), float(bool(run.stop_requested)), device=run.device)  # no host copy
+    a NaN on one rank reaches all through the gradients, a signal may reach one rank only. Returns
+    both, and the count of bad steps in a row with this one."""
+    # filled on the device: no copy from the host
+    verdict = torch.full((2,), float(bool(setup.stop_requested)), device=setup.device)
     verdict[0] = grad_norm.isfinite().logical_not()
-    with run.timers.sync_wait:  # how long this rank waits here for the slowest: step_time_skew
+    with setup.sync_wait:  # how long this rank waits here for the slowest: step_time_skew
         dist.all_reduce(verdict, op=dist.ReduceOp.MAX)
     bad, stop = (value > 0 for value in verdict.tolist())  # the host waits here for the GPU
-    run.bad_in_a_row = run.bad_in_a_row + 1 if bad else 0
+    in_a_row = run.bad_in_a_row + 1 if bad else 0
     if bad:
-        log0(f"step {run.step + 1} | non-finite gradient: update skipped ({run.bad_in_a_row} in a "
-             "row)")
-    if run.bad_in_a_row >= run.cfg.train.max_bad_steps:
-        die(f"{run.bad_in_a_row} steps in a row had a non-finite gradient (train.max_bad_steps="
-            f"{run.cfg.train.max_bad_steps}); no update was made from them and no checkpoint holds "
-            "them -> lower optim.lr or raise optim.warmup_steps, and check the data")
-    return bad, stop
+        log0(f"step {run.step + 1} | non-finite gradient: update skipped ({in_a_row} in a row)")
+    if in_a_row >= setup.cfg.train.max_bad_steps:
+        die(f"{in_a_row} steps in a row had a non-finite gradient (train.max_bad_steps="
+            f"{setup.cfg.train.max_bad_steps}); no update was made from them and no checkpoint "
+            "holds them -> lower optim.lr or raise optim.warmup_steps, and check the data")
+    return bad, stop, in_a_row
 
 
 # ----------------------------------------------------------------------------- the parallelism
 
-def wrap_model(raw_model, cfg, device, use_compile, timers):
+def wrap_model(raw_model, cfg, device, use_compile):
     """The model each step calls, and how gradients reach every rank (`parallel.sync`, `.finish`):
     DDP's C++ reducer (dist.reducer=torch), InlineReducer (what DDP does) or NaiveReducer. One
     process needs none: nothing to average, and DDP would split the compiled graph for nothing."""
     nothing = SimpleNamespace(sync=lambda last: contextlib.nullcontext(), finish=lambda: None)
     if dist.get_world_size() == 1:
         return torch.compile(raw_model) if use_compile else raw_model, nothing
+    model, hook, inline = raw_model, None, cfg.dist.reducer == "inline"
     if cfg.dist.reducer == "torch":
         if use_compile and cfg.dist.bucket_mb < 1:
             die(f"dist.bucket_mb={cfg.dist.bucket_mb} is below 1: under torch.compile, Dynamo's "
@@ -275,25 +312,26 @@ def wrap_model(raw_model, cfg, device, use_compile, timers):
                 "train.compile=false")
         # broadcast_buffers=False: these models' buffers are constants every rank builds alike, and
         # re-broadcasting them before every forward costs a collective (a graph break when compiled)
-        ddp = DDP(raw_model, device_ids=[device.index] if device.type == "cuda" else None,
-                  bucket_cap_mb=cfg.dist.bucket_mb, gradient_as_bucket_view=True,
-                  broadcast_buffers=False)
-        timers.exposed_spans, timers.bf16 = [], cfg.dist.grad_compression == "bf16"
-        ddp.register_comm_hook(timers, ddp_allreduce_hook)  # DDP's all-reduce, timed
-        # Under torch.compile, Dynamo splits the graph at DDP's buckets (DDPOptimizer), so a
-        # bucket's all-reduce starts while backward still computes the layers before it.
-        model = torch.compile(ddp) if use_compile else ddp
+        model = ddp = DDP(raw_model, device_ids=[device.index] if device.type == "cuda" else None,
+                          bucket_cap_mb=cfg.dist.bucket_mb, gradient_as_bucket_view=True,
+                          broadcast_buffers=False)
         # no_sync: accumulate locally; DDP averages in the last backward, overlapped with it
-        return model, SimpleNamespace(finish=lambda: None, sync=lambda last: (
+        parallel = SimpleNamespace(finish=lambda: None, sync=lambda last: (
             contextlib.nullcontext() if last else ddp.no_sync()))
-    inline, timers.comm_wait = cfg.dist.reducer == "inline", SpanTimer(device)
-    reducer = InlineReducer(raw_model, cfg, timers) if inline else NaiveReducer(raw_model, timers)
+        hook = bf16_allreduce_hook if cfg.dist.grad_compression == "bf16" else None
+    else:
+        parallel = InlineReducer(raw_model, cfg) if inline else NaiveReducer(raw_model)
+    hook = timed(parallel, hook)  # metrics
+    if hook is not None:  # DDP calls it for each bucket in place of its own all-reduce
+        ddp.register_comm_hook(None, hook)
     if use_compile and inline:
         # Block by block: the backward of one compiled graph is one autograd node, whose gradients
         # all appear at its end; then no all-reduce could overlap it.
         for block in repeated_blocks(raw_model) or [raw_model]:
             block.compile()
-    return torch.compile(raw_model) if use_compile and not inline else raw_model, reducer
+    # Under torch.compile, Dynamo splits DDP's graph at its buckets (DDPOptimizer), so a bucket's
+    # all-reduce starts while backward still computes the layers before it.
+    return torch.compile(model) if use_compile and not inline else model, parallel
 
 
 class NaiveReducer:
@@ -301,9 +339,11 @@ class NaiveReducer:
     an all-reduce of every gradient, wait for all, divide. Right, but nothing overlaps backward:
     InlineReducer starts each bucket of gradients as soon as backward has produced it."""
 
-    def __init__(self, model, timers):
-        self.params, self.timers = [p for p in model.parameters() if p.requires_grad], timers
-        for tensor in [*model.parameters(), *model.buffers()]:  # every rank starts from rank 0's
+    def __init__(self, model):
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        # every rank starts from rank 0's weights, as DDP's constructor makes sure: ranks that
+        # differed would train different models on averaged gradients, silently
+        for tensor in [*model.parameters(), *model.buffers()]:
             dist.broadcast(tensor.detach(), src=0)
 
     def sync(self, last):
@@ -312,15 +352,21 @@ class NaiveReducer:
     def finish(self):
         for param in self.params:  # every rank all-reduces every gradient, used or not
             param.grad = param.grad if param.grad is not None else torch.zeros_like(param)
-        works = [timed_all_reduce(param.grad, self.timers.allreduce_spans) for param in self.params]
-        with self.timers.comm_wait:  # all of it exposed: backward has ended
-            for work in works:
-                work.wait()
+        self.wait([self.all_reduce(param.grad) for param in self.params])  # all of it exposed
         for param in self.params:
             param.grad.div_(dist.get_world_size())
 
+    def all_reduce(self, flat):  # starts the sum over the ranks, in place, and returns at once
+        return dist.all_reduce(flat, async_op=True)
 
-class InlineReducer:
+    def wait(self, works):
+        # Without wait() nothing orders the sum before the optimizer reads it: on a GPU the compute
+        # stream then waits for the communication stream; on gloo the host waits.
+        for work in works:
+            work.wait()
+
+
+class InlineReducer(NaiveReducer):
     """What DDP does for you, in plain sight (dist.reducer=inline): every rank ends the step with
     the mean of all ranks' gradients, and the all-reduces run while backward still computes earlier
     layers.
@@ -332,15 +378,11 @@ class InlineReducer:
     size and hands the means to the optimizer as .grad. On the other micro-batches the hooks do
     nothing: gradients accumulate."""
 
-    def __init__(self, model, cfg, timers):
+    def __init__(self, model, cfg):
+        super().__init__(model)  # self.params, and rank 0's weights on every rank
         self.wire_dtype = torch.bfloat16 if cfg.dist.grad_compression == "bf16" else torch.float32
-        self.timers = timers  # for the log: all-reduce latency, communication backward did not hide
-        # every rank starts from rank 0's weights, as DDP's constructor makes sure: ranks that
-        # differed would train different models on averaged gradients, silently
-        for tensor in [*model.parameters(), *model.buffers()]:
-            dist.broadcast(tensor.detach(), src=0)
         self.buckets, filled = [[]], 0
-        for param in reversed([p for p in model.parameters() if p.requires_grad]):
+        for param in reversed(self.params):
             if filled >= cfg.dist.bucket_mb * 2**20:  # DDP's rule: a bucket holds >= bucket_mb
                 self.buckets.append([])
                 filled = 0
@@ -376,16 +418,12 @@ class InlineReducer:
                           for p in bucket]).to(self.wire_dtype)
         for param in bucket:
             param.grad = None  # the bucket holds it now: one copy of the gradients, not two
-        self.in_flight.append((timed_all_reduce(flat, self.timers.allreduce_spans), flat))
+        self.in_flight.append((self.all_reduce(flat), flat))
 
     def finish(self):
         for bucket_index in range(len(self.in_flight), len(self.buckets)):
             self.launch(bucket_index)  # buckets still missing a gradient
-        with self.timers.comm_wait:  # the communication that backward did not hide
-            for work, _ in self.in_flight:
-                # Without wait() nothing orders the sum before the optimizer reads it: on a GPU the
-                # compute stream then waits for the communication stream; on gloo the host waits.
-                work.wait()
+        self.wait([work for work, _ in self.in_flight])  # the communication backward did not hide
         for bucket, (_, flat) in zip(self.buckets, self.in_flight):
             averaged = flat.float().div_(dist.get_world_size())  # bf16 travelled; divide in fp32
             for param, grad in zip(bucket, averaged.split([p.numel() for p in bucket])):
@@ -393,41 +431,15 @@ class InlineReducer:
         self.missing, self.in_flight = [len(bucket) for bucket in self.buckets], []
 
 
-def ddp_allreduce_hook(timers, bucket):
-    """DDP's all-reduce of one bucket, timed: its start and end, and for the last bucket the end of
-    backward's compute, so its all-reduce's end beyond it is what backward did not hide. fp32 is
-    divided by the world size before the sum, as DDP does without a hook; bf16 (grad_compression)
-    travels and is divided in fp32 after, as in InlineReducer. Not torch's bf16_compress_hook: that
-    divides in bf16, and DDP takes a hook of its name only from a torch built with CUDA and NCCL."""
+def bf16_allreduce_hook(process_group, bucket):
+    """DDP's comm hook for dist.grad_compression=bf16: a bucket travels in bf16, half the bytes, and
+    its sum is divided by the world size in fp32, as in InlineReducer. Not torch's
+    bf16_compress_hook: that divides in bf16, and DDP takes a hook of its name only from a torch
+    built with CUDA and NCCL."""
     buffer = bucket.buffer()
-    backward_end = time_stamp() if bucket.is_last() else None
-    wire = buffer.to(torch.bfloat16) if timers.bf16 else buffer.div_(dist.get_world_size())
-    work = timed_all_reduce(wire, timers.allreduce_spans)
-    if backward_end is not None:
-        work.get_future().then(lambda _: timers.exposed_spans.append((backward_end, time_stamp())))
-    if not timers.bf16:
-        return work.get_future().then(lambda future: future.value()[0])
+    work = dist.all_reduce(buffer.to(torch.bfloat16), group=process_group, async_op=True)
     return work.get_future().then(
-        lambda future: buffer.copy_(future.value()[0]).div_(dist.get_world_size()))
-
-
-def timed_all_reduce(flat, allreduce_spans):
-    """Start the all_reduce (sum) of one flat bucket, with no wait; its start and end go to
-    allreduce_spans. The end is stamped in a callback of the work's future, which NCCL runs on a
-    stream that waits for the all-reduce (gloo: once it is done); neither makes the host wait."""
-    started = time_stamp()
-    work = dist.all_reduce(flat, async_op=True)
-    work.get_future().then(lambda _: allreduce_spans.append((started, time_stamp())))
-    return work
-
-
-def time_stamp():
-    """Now: on a GPU an event on the current stream, read at the log line; else the host clock."""
-    if not torch.cuda.is_available():
-        return time.perf_counter()
-    event = torch.cuda.Event(enable_timing=True)
-    event.record()
-    return event
+        lambda future: buffer.copy_(future.value()[0]).div_(dist.get_world_size(process_group)))
 
 
 # ---------------------------------------------------------------------- the checkpoint (section 6)
@@ -443,27 +455,27 @@ LOAD_ERRORS = (OSError, RuntimeError, KeyError, ValueError, EOFError, TypeError,
                pickle.UnpicklingError)
 
 
-def save_checkpoint(run, optimizer, scheduler, scaler):
+def save_checkpoint(setup, run, optimizer, scheduler, scaler):
     """Rank 0 writes the whole state: model, optimizer and train_state()."""
-    state = train_state(run, scheduler, scaler)
-    on_rank0(write_checkpoint, run.ckpt_dir, run.step, run.cfg.checkpoint.keep, run.raw_model,
+    state, ckpt_dir = train_state(setup, run, scheduler, scaler), Path(setup.cfg.checkpoint.dir)
+    on_rank0(write_checkpoint, ckpt_dir, run.step, setup.cfg.checkpoint.keep, setup.raw_model,
              optimizer, state)
-    log0(f"checkpoint {step_dir(run.ckpt_dir, run.step)} written")
+    log0(f"checkpoint {step_dir(ckpt_dir, run.step)} written")
 
 
-def train_state(run, scheduler, scaler):
+def train_state(setup, run, scheduler, scaler):
     """All a run needs to go on exactly beside the weights and the optimizer: step, data position,
     every rank's random state, schedule, grad scaler, config; collective."""
-    if not weights_are_finite(run.raw_model):  # skipped steps keep this from happening
+    if not weights_are_finite(setup.raw_model):  # skipped steps keep this from happening
         die(f"the weights are not finite at step {run.step}: no checkpoint written -> lower "
             "optim.lr")
     rng_states = [None] * dist.get_world_size()
     dist.all_gather_object(rng_states, rng_state())
-    return {"step": run.step, "samples_seen": run.samples_seen, "rng": rng_states,
-            "tokens_seen": run.tokens_seen, "config": config_dict(run.cfg),
+    return {"step": run.step, "samples_seen": run.position, "rng": rng_states,
+            "tokens_seen": run.tokens_seen, "config": config_dict(setup.cfg),
             "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
-            "data_fingerprint": run.meta.get("fingerprint"), "world_size": dist.get_world_size(),
-            "vocab_size": run.meta.get("vocab_size"), "classes": run.meta.get("classes")}
+            "data_fingerprint": setup.meta.get("fingerprint"), "world_size": dist.get_world_size(),
+            "vocab_size": setup.meta.get("vocab_size"), "classes": setup.meta.get("classes")}
 
 
 def write_checkpoint(ckpt_dir, step, keep, raw_model, optimizer, state):
@@ -552,26 +564,26 @@ def hold_directory(ckpt_dir, writing):
     return lock
 
 
-def resume(resume_dir, run, optimizer, scheduler, scaler):
-    """Load a checkpoint into the model, optimizer, schedule and scaler, and the run's position."""
-    state = on_all_ranks(load_train_state, resume_dir, scheduler, scaler, run.cfg, run.meta)
-    on_all_ranks(load_weights, resume_dir, run.raw_model, optimizer)
-    run.step, run.samples_seen, run.tokens_seen = (state[key] for key in
-                                                   ("step", "samples_seen", "tokens_seen"))
-    if run.step >= run.cfg.train.max_steps:
-        die(f"{resume_dir} is at step {run.step}, train.max_steps is {run.cfg.train.max_steps}: "
+def resume(resume_dir, raw_model, optimizer, scheduler, scaler, cfg, meta):
+    """Load a checkpoint into the model, optimizer, schedule and scaler; returns its Run."""
+    state = on_all_ranks(load_train_state, resume_dir, scheduler, scaler, cfg, meta)
+    on_all_ranks(load_weights, resume_dir, raw_model, optimizer)
+    run = Run(step=state["step"], position=state["samples_seen"], tokens_seen=state["tokens_seen"])
+    if run.step >= cfg.train.max_steps:
+        die(f"{resume_dir} is at step {run.step}, train.max_steps is {cfg.train.max_steps}: "
             "nothing left to train -> raise train.max_steps to go on, or start afresh in a new "
             "checkpoint.dir")
-    restore_rng(state["rng"], dist.get_rank(), run.cfg.train.seed, run.step)
-    apply_settings(optimizer, scheduler, run.cfg, run.step)
-    changed = changed_settings(state["config"], run.cfg)
+    restore_rng(state["rng"], dist.get_rank(), cfg.train.seed, run.step)
+    apply_settings(optimizer, scheduler, cfg, run.step)
+    changed = changed_settings(state["config"], cfg)
     if changed:
         log0(f"note: changed since the checkpoint, this run's values apply: {', '.join(changed)}")
-    if state.get("data_fingerprint") != run.meta.get("fingerprint"):
-        log0(f"warning: {run.cfg.data.dir} was rebuilt since {resume_dir} was written; the data "
+    if state.get("data_fingerprint") != meta.get("fingerprint"):
+        log0(f"warning: {cfg.data.dir} was rebuilt since {resume_dir} was written; the data "
              "position may not match")
-    log0(f"resumed from {resume_dir}: step {run.step}, {run.samples_seen:,} samples, "
+    log0(f"resumed from {resume_dir}: step {run.step}, {run.position:,} samples, "
          f"{run.tokens_seen:,} tokens seen")
+    return run
 
 
 def load_train_state(path, scheduler, scaler, cfg, meta):
@@ -1264,11 +1276,11 @@ def splitmix64(values):
     return values ^ (values >> np.uint64(31))
 
 
-def step_batches(run, position):
+def step_batches(setup, position):
     """This rank's micro-batches of the training step that starts at sample `position`."""
-    batches = rank_batches(run.train_data, position, run.cfg.train.seed, run.cfg,
-                           dist.get_world_size(), dist.get_rank(), run.device)
-    stage_tiered(run.raw_model, run.train_data, position, batches, run.cfg)  # tiered
+    batches = rank_batches(setup.train_data, position, setup.cfg.train.seed, setup.cfg,
+                           dist.get_world_size(), dist.get_rank(), setup.device)
+    stage_tiered(setup.raw_model, setup.train_data, position, batches, setup.cfg)  # tiered
     return batches
 
 
@@ -1916,7 +1928,7 @@ def memory_prediction(raw_model, device):
     return {"weights": weights, "gradients": trained, "optimizer": 2 * trained}
 
 
-def report_memory(run, optimizer, predicted):
+def report_memory(setup, step, optimizer, predicted):
     """After an update: the prediction, the same summed from the tensors that exist (its check),
     on a GPU the allocator's allocated, peak and reserved bytes, and the input embedding's share."""
     def held(parameters):  # by device type; AdamW's "step", a 0-d tensor, is no part of it
@@ -1928,14 +1940,14 @@ def report_memory(run, optimizer, predicted):
 
     memory = {"predicted_bytes": sum(predicted.values()),
               **{f"predicted_{key}_bytes": value for key, value in predicted.items()},
-              "held_bytes": held(run.raw_model.parameters()).get(run.device.type, 0)}
-    if run.device.type == "cuda":
-        memory.update(allocated_bytes=torch.cuda.memory_allocated(run.device),
-                      peak_bytes=torch.cuda.max_memory_allocated(run.device),
-                      reserved_bytes=torch.cuda.memory_reserved(run.device))
-    write_metrics(run, {"kind": "memory", "step": run.step, **memory})
+              "held_bytes": held(setup.raw_model.parameters()).get(setup.device.type, 0)}
+    if setup.device.type == "cuda":
+        memory.update(allocated_bytes=torch.cuda.memory_allocated(setup.device),
+                      peak_bytes=torch.cuda.max_memory_allocated(setup.device),
+                      reserved_bytes=torch.cuda.memory_reserved(setup.device))
+    write_metrics(setup, {"kind": "memory", "step": step, **memory})
     mib = {key: value / 2**20 for key, value in memory.items()}
-    line = (f"step {run.step} | memory per rank: weights + gradients + AdamW state predicted "
+    line = (f"step {step} | memory per rank: weights + gradients + AdamW state predicted "
             f"{mib['predicted_bytes']:,.1f} MiB, held by those tensors "
             f"{mib['held_bytes']:,.1f} MiB")
     if "peak_bytes" in memory:
@@ -1945,8 +1957,8 @@ def report_memory(run, optimizer, predicted):
                  f"prediction), reserved {mib['reserved_bytes']:,.1f} MiB (the allocator's cache: "
                  f"{mib['reserved_bytes'] - mib['peak_bytes']:,.1f} MiB above the peak)")
     log0(line)
-    embedding = held(run.raw_model.get_input_embeddings().parameters())
-    log0(f"step {run.step} | input embedding (weights, gradients, optimizer state): "
+    embedding = held(setup.raw_model.get_input_embeddings().parameters())
+    log0(f"step {step} | input embedding (weights, gradients, optimizer state): "
          + ", ".join(f"{size / 2**20:,.1f} MiB on {kind}"
                      for kind, size in sorted(embedding.items())))
 
@@ -1967,17 +1979,14 @@ class Interval:
         self.start, self.paused_s = now, 0.0
         self.loss_sum.zero_()
 
-    def add_step(self, result, run, flops_of):
-        """A finished step: the run's position moves on; its tokens, FLOPs and loss are counted."""
-        _, input_tokens, label_tokens, lengths = result.done
-        run.samples_seen += run.cfg.train.global_batch_size
-        run.tokens_seen += input_tokens
-        self.steps, self.input_tokens = self.steps + 1, self.input_tokens + input_tokens
-        self.flops += flops_of(lengths)
+    def add_step(self, result, flops_of):
+        """A finished step (train_step's result): its tokens, FLOPs and loss are counted."""
+        self.steps, self.input_tokens = self.steps + 1, self.input_tokens + result.input_tokens
+        self.flops += flops_of(result.lengths)
         self.skipped += result.bad
         if not result.bad:  # a skipped step's loss is not in the log's
             self.loss_sum += result.loss_sum
-            self.label_tokens += label_tokens
+            self.label_tokens += result.label_tokens
 
     @contextlib.contextmanager
     def paused(self):
@@ -1988,7 +1997,7 @@ class Interval:
         self.paused_s += time.perf_counter() - start
 
 
-def log_interval(interval, run, result):
+def log_interval(interval, setup, run, result):
     """One line for the steps since the last: to the console (rank 0) and to metrics.jsonl."""
     dist.all_reduce(interval.loss_sum)
     loss_sum = interval.loss_sum.item()  # waits for the GPU: the clock then counts finished work
@@ -1996,16 +2005,16 @@ def log_interval(interval, run, result):
     elapsed = now - interval.start - interval.paused_s
     # Every rank's busy time (the interval less its waits for the others at the step's sync) and the
     # share of it its device sat idle while its host built batches: the slowest rank holds up all.
-    per_rank = gather_floats([elapsed - run.timers.sync_wait.total_s(),
-                              run.timers.data_wait.total_s() / elapsed], run.device)
+    per_rank = gather_floats([elapsed - setup.sync_wait.total_s(),
+                              setup.data_wait.total_s() / elapsed], setup.device)
     busy = [busy_s for busy_s, _ in per_rank]
-    cuda, gib, several = run.device.type == "cuda", 2**30, len(per_rank) > 1
+    cuda, gib, several = setup.device.type == "cuda", 2**30, len(per_rank) > 1
     record = {
         "kind": "train", "step": run.step, "grad_norm": result.grad_norm.item(), "lr": result.lr,
         "loss": loss_sum / interval.label_tokens if interval.label_tokens else None,  # all skipped
         "tokens_per_sec": interval.input_tokens / elapsed,
         "steps_per_sec": interval.steps / elapsed,
-        "mfu": (interval.flops / (elapsed * run.peak_flops * len(per_rank)) if run.peak_flops
+        "mfu": (interval.flops / (elapsed * setup.peak_flops * len(per_rank)) if setup.peak_flops
                 else None),
         "gpu_util": None,
         "mem_alloc_gib": torch.cuda.memory_allocated() / gib if cuda else None,
@@ -2013,40 +2022,17 @@ def log_interval(interval, run, result):
         "mem_peak_gib": torch.cuda.max_memory_allocated() / gib if cuda else None,
         # times the caching allocator found no free block, released its cache and allocated again
         "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else None,
-        **comm_figures(run.timers, interval.steps),  # DDP
+        "comm_exposed_ms": None, "allreduce_p50_ms": None, "allreduce_p95_ms": None,  # DDP
         "data_wait_frac": max(frac for _, frac in per_rank),
         "step_time_skew": max(busy) / max(min(busy), 1e-9) if several else None,
         "slowest_rank": busy.index(max(busy)) if several else None,
         "tokens_seen": run.tokens_seen, "skipped_steps": interval.skipped,
-        "eta_s": elapsed / interval.steps * (run.cfg.train.max_steps - run.step),
+        "eta_s": elapsed / interval.steps * (setup.cfg.train.max_steps - run.step),
     }
-    record["gpu_util"] = run.exporters.gpu_util()  # metrics
-    record = image_record(record, run.train_data)  # images
-    write_metrics(run, record)
-    log0(log_line(record, run.cfg.train.max_steps))
+    record = image_record(record, setup.train_data)  # images
+    record = write_metrics(setup, record)
+    log0(log_line(record, setup.cfg.train.max_steps))
     interval.reset(now)
-
-
-def comm_figures(timers, steps):
-    """The interval's p50 and p95 bucket all-reduce (ms from start to end), and the communication
-    per step that backward did not hide: our reducers' wait for it, or DDP's last all-reduce beyond
-    the end of backward's compute. None where nothing was timed (one process)."""
-    latency_ms = span_ms(timers.allreduce_spans)
-    percentile = {q: float(np.percentile(latency_ms, q)) if latency_ms else None for q in (50, 95)}
-    exposed_ms = 1000 * timers.comm_wait.total_s() / steps if timers.comm_wait else None
-    if getattr(timers, "exposed_spans", None):  # DDP's
-        exposed_ms = sum(max(0.0, ms) for ms in span_ms(timers.exposed_spans)) / steps
-    return {"comm_exposed_ms": exposed_ms, "allreduce_p50_ms": percentile[50],
-            "allreduce_p95_ms": percentile[95]}
-
-
-def span_ms(spans):
-    """Each (start, end) of the list in ms, removed from it (one a late callback adds stays)."""
-    count = len(spans)
-    latency_ms = [1000 * (end - start) if isinstance(start, float) else
-                  end.synchronize() or start.elapsed_time(end) for start, end in spans[:count]]
-    del spans[:count]
-    return latency_ms
 
 
 def log_line(record, max_steps):
@@ -2077,23 +2063,23 @@ def log_line(record, max_steps):
     return line + f" | ETA {f'{hours}h{minutes:02d}m' if hours else f'{minutes}m{seconds:02d}s'}"
 
 
-def validate(model, val_data, run):
+def validate(model, val_data, setup, step):
     """The mean loss per label and the top-1 accuracy over the same validation batches every time,
     each rank doing its share: rank 0 alone would be world_size times slower, and would hang the
     others if the forward itself communicates (FSDP all-gathers weights) or outlasts dist.timeout_s.
     Images: the whole split, each image counted once (labels past its end are IGNORE_INDEX)."""
     model.eval()
-    batches, global_batch = run.cfg.train.eval_batches, run.cfg.train.global_batch_size
+    batches, global_batch = setup.cfg.train.eval_batches, setup.cfg.train.global_batch_size
     if val_data.task == "image":  # images
         batches = -(-len(val_data) // global_batch)  # images
-    sums = torch.zeros(3, device=run.device, dtype=torch.float64)  # loss, correct, labels
+    sums = torch.zeros(3, device=setup.device, dtype=torch.float64)  # loss, correct, labels
     with torch.no_grad():
         for batch_index in range(batches):
             micro_batches = rank_batches(val_data, (batch_index * global_batch) % len(val_data),
-                                         None, run.cfg, dist.get_world_size(), dist.get_rank(),
-                                         run.device)[0]
+                                         None, setup.cfg, dist.get_world_size(), dist.get_rank(),
+                                         setup.device)[0]
             for batch in micro_batches:
-                with run.autocast:
+                with setup.autocast:
                     logits = model(**batch["inputs"]).logits
                 counted = batch["labels"] != IGNORE_INDEX
                 sums[0] += token_loss_sum(logits, batch["labels"])
@@ -2103,30 +2089,29 @@ def validate(model, val_data, run):
     model.train()
     loss_sum, correct, labels = sums.tolist()
     val_loss, val_accuracy = loss_sum / max(1, labels), correct / max(1, labels)
-    log0(f"step {run.step} | val loss {val_loss:.4f} | accuracy {100 * val_accuracy:.2f}%")
-    write_metrics(run, {"kind": "val", "step": run.step, "val_loss": val_loss,
+    log0(f"step {step} | val loss {val_loss:.4f} | accuracy {100 * val_accuracy:.2f}%")
+    write_metrics(setup, {"kind": "val", "step": step, "val_loss": val_loss,
                         "val_accuracy": val_accuracy})
 
 
-def stop_message(run):
+def stop_message(cfg, step):
     """The line a stopped run ends with, and the command that goes on from there."""
-    if not run.cfg.checkpoint.every:
-        return (f"stopped at step {run.step} by a stop signal; no checkpoint (checkpoint.every=0) "
+    if not cfg.checkpoint.every:
+        return (f"stopped at step {step} by a stop signal; no checkpoint (checkpoint.every=0) "
                 "-> the same command trains these steps again; set checkpoint.every to keep them")
     # resume=never or an older step_* directory would refuse the checkpoint just written
-    added = "" if run.cfg.checkpoint.resume == "auto" else " with checkpoint.resume=auto added"
-    return (f"stopped at step {run.step} by a stop signal; checkpoint "
-            f"{step_dir(run.ckpt_dir, run.step)} is written -> run the same command{added} to "
-            "resume from the newest checkpoint")
+    added = "" if cfg.checkpoint.resume == "auto" else " with checkpoint.resume=auto added"
+    return (f"stopped at step {step} by a stop signal; checkpoint "
+            f"{step_dir(Path(cfg.checkpoint.dir), step)} is written -> run the same command{added} "
+            "to resume from the newest checkpoint")
 
 
-def catch_stop_signals():
+def catch_stop_signals(requested):
     """SIGTERM (a scheduler's preemption; torchrun passes it on to every worker and kills them 30 s
-    later by default) and SIGINT (Ctrl-C) ask for a clean stop: the list returned gets the signal's
-    name and time, and every rank stops after the same step, with a checkpoint. Slurm signals every
-    process of a job step and torchrun passes its own on, so signals within STOP_REPEAT_S of the
-    first repeat it; a later one stops this process at once, without a checkpoint."""
-    requested = []
+    later by default) and SIGINT (Ctrl-C) ask for a clean stop: the list `requested` gets the
+    signal's name and time, and every rank stops after the same step, with a checkpoint. Slurm
+    signals every process of a job step and torchrun passes its own on, so signals within
+    STOP_REPEAT_S of the first repeat it; a later one stops this process at once, without one."""
 
     def on_signal(number, frame):
         if requested and time.monotonic() - requested[0][1] > STOP_REPEAT_S:
@@ -2140,7 +2125,6 @@ def catch_stop_signals():
 
     for number in (signal.SIGTERM, signal.SIGINT):
         signal.signal(number, on_signal)
-    return requested
 
 
 def open_metrics(out_dir, step):
@@ -2164,11 +2148,13 @@ def open_metrics(out_dir, step):
         die(f"cannot write {path} ({error}) -> set out_dir to a writable directory")
 
 
-def write_metrics(run, record):
-    if run.metrics:
-        run.metrics.write(json.dumps(record) + "\n")
-        run.metrics.flush()
-    export_metrics(run.exporters, record)  # metrics
+def write_metrics(setup, record):
+    """Append a record to metrics.jsonl (rank 0); returns it as written."""
+    record = export_metrics(setup, record)  # metrics
+    if setup.metrics:
+        setup.metrics.write(json.dumps(record) + "\n")
+        setup.metrics.flush()
+    return record
 
 
 class SpanTimer:
@@ -2283,7 +2269,8 @@ def report_lost_ranks(error):
 
 # ============================================================================== metrics: begin
 # Optional exporters: TensorBoard scalars (rank 0), a Prometheus endpoint per process, NVML's GPU
-# utilisation. Delete this block and the lines tagged # metrics: metrics.jsonl stays.
+# utilisation; and the all-reduces timed for the log line. Delete this block and the lines tagged
+# for it (# metrics): metrics.jsonl stays, DDP has a comm hook for bf16 alone, no reducer a timer.
 
 def start_exporters(cfg, step, device):
     """Each exporter asked for, or None where its package is missing (said in one line)."""
@@ -2327,9 +2314,14 @@ def start_prometheus(port):
     return SimpleNamespace(client=prometheus_client, registry=registry, server=server, gauges={})
 
 
-def export_metrics(exporters, record):
-    """Every number of a record, under its own name: TensorBoard on rank 0, a gauge on every rank
-    (a key that is null today appears as soon as it holds a number)."""
+def export_metrics(setup, record):
+    """The record with what this block measures (a train record's GPU utilisation, and DDP's
+    all-reduce times), every number of it under its own name: TensorBoard on rank 0, a gauge on
+    every rank (a key that is null today appears as soon as it holds a number)."""
+    exporters = setup.exporters
+    if record["kind"] == "train":
+        record = {**record, "gpu_util": exporters.gpu_util()}
+        record.update(comm_figures(getattr(setup.parallel, "comm_times", None)))  # DDP
     numbers = {key: value for key, value in record.items()
                if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step"}
     if exporters.tensorboard and record["kind"] != "start":
@@ -2347,6 +2339,7 @@ def export_metrics(exporters, record):
                     f"trainer_{key}", f"metrics.jsonl's {key} ({record['kind']} records)", ["rank"],
                     registry=exporters.prometheus.registry).labels(rank=str(dist.get_rank()))
             gauges[key].set(value)
+    return record
 
 
 def gpu_util_reader(device, enabled):
@@ -2382,6 +2375,72 @@ def stop_exporters(exporters):
     if exporters.prometheus:
         exporters.prometheus.server.shutdown()
         exporters.prometheus.server.server_close()  # frees the port at once
+
+
+def timed(parallel, hook):
+    """Time wrap_model's all-reduces for the log line (comm_figures): each one's start and end, and
+    per step the communication backward did not hide. Our reducers' all_reduce() and wait() are
+    wrapped; for DDP, which takes one comm hook, the one to register is returned: `hook` or DDP's
+    own sum (torch's allreduce_hook), timed to its result (bf16: cast back). Ends are stamped in
+    callbacks of the futures, which NCCL runs on a stream that waits for the all-reduce (gloo: once
+    it is done): neither makes the host wait."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    times = parallel.comm_times = SimpleNamespace(allreduce=[], exposed=[])  # (start, end) each
+
+    def ended(future, started, spans):
+        future.then(lambda _: spans.append((started, time_stamp())))
+        return future
+
+    def timed_hook(state, bucket):
+        backward_end = time_stamp() if bucket.is_last() else None  # ready as backward ends
+        future = (hook or allreduce_hook)(state, bucket)
+        ended(future, time_stamp(), times.allreduce)  # started: the hook has divided or cast
+        return future if backward_end is None else ended(future, backward_end, times.exposed)
+
+    def timed_all_reduce(flat):
+        started, work = time_stamp(), all_reduce(flat)
+        ended(work.get_future(), started, times.allreduce)
+        return work
+
+    def timed_wait(works):  # our reducers wait after backward: the whole wait is exposed
+        started = time_stamp()
+        wait(works)
+        times.exposed.append((started, time_stamp()))
+
+    if not isinstance(parallel, NaiveReducer):  # InlineReducer is one too
+        return timed_hook
+    all_reduce, wait = parallel.all_reduce, parallel.wait
+    parallel.all_reduce, parallel.wait = timed_all_reduce, timed_wait
+    return None
+
+
+def time_stamp():
+    """Now: on a GPU an event on the current stream, read at the log line; else the host clock."""
+    if not torch.cuda.is_available():
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def comm_figures(times):
+    """The interval's p50 and p95 all-reduce (ms from start to end), and the mean per step of the
+    communication backward did not hide: our reducers' wait, or DDP's last bucket from the end of
+    backward's compute. None where nothing was timed (one process)."""
+    latency_ms = span_ms(times.allreduce) if times else []
+    exposed_ms = [max(0.0, ms) for ms in span_ms(times.exposed)] if times else []
+    percentile = {q: float(np.percentile(latency_ms, q)) if latency_ms else None for q in (50, 95)}
+    return {"comm_exposed_ms": sum(exposed_ms) / len(exposed_ms) if exposed_ms else None,
+            "allreduce_p50_ms": percentile[50], "allreduce_p95_ms": percentile[95]}
+
+
+def span_ms(spans):
+    """Each (start, end) of the list in ms, removed from it (one a late callback adds stays)."""
+    count = len(spans)
+    latency_ms = [1000 * (end - start) if isinstance(start, float) else
+                  end.synchronize() or start.elapsed_time(end) for start, end in spans[:count]]
+    del spans[:count]
+    return latency_ms
 # ============================================================================== metrics: end
 
 

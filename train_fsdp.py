@@ -35,6 +35,7 @@ import sys
 import tempfile
 import time
 import zlib
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
@@ -100,6 +101,35 @@ EXIT_STOPPED = 3  # stopped by a signal after a checkpoint: run the same command
 STOP_REPEAT_S = 60  # signals this soon after the first only repeat it: Slurm and torchrun both send
 
 
+@dataclass
+class Run:
+    """Where the run is: main() moves it on after each step, a checkpoint saves and restores it."""
+    step: int = 0  # optimizer steps done
+    position: int = 0  # samples of the shuffled stream trained on: the next step starts at this one
+    tokens_seen: int = 0  # input tokens trained on
+    bad_in_a_row: int = 0  # the latest steps skipped, one after another, for a non-finite gradient
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What stays fixed once main() has built the run; helpers read it (its timers still count)."""
+    cfg: SimpleNamespace  # the settings: DEFAULTS, config.yaml, then the command line
+    device: torch.device  # this rank's GPU, or the CPU
+    autocast: torch.autocast  # the forward's mixed precision (disabled in fp32)
+    raw_model: torch.nn.Module  # the model itself: what the optimizer and checkpoints hold
+    train_data: object  # the train split's samples by index (ArrowTokens, ArrowImages)
+    meta: dict  # the data's meta.json: vocabulary, fingerprint, classes
+    parallel: SimpleNamespace  # sync(last) around each micro-batch: how gradients reach the ranks
+    loss_of: object  # the summed loss of (logits, labels), compiled or not
+    data_wait: "SpanTimer"  # the device's idle time while the host builds batches
+    sync_wait: "SpanTimer"  # this rank's wait for the slowest at each step's verdict
+    stop_requested: list  # the stop signal's name and time, once one came (catch_stop_signals)
+    peak_flops: float | None  # FLOP/s at 100% MFU, None where unknown
+    metrics: object  # metrics.jsonl, open for appending on rank 0 (None on the others)
+    lock: object  # rank 0's lock on checkpoint.dir: an open file, the lock lasts as long as it
+    exporters: SimpleNamespace = None  # TensorBoard, Prometheus and NVML of the metrics block
+
+
 def main():
     # --------------------------------------------------------------------------------- 1. config
     use_cuda = torch.cuda.is_available()
@@ -153,60 +183,64 @@ def main():
     predicted = memory_prediction(raw_model, device)
 
     # ----------------------------------------------------------------------------- 6. checkpoint
-    run = SimpleNamespace(cfg=cfg, device=device, autocast=autocast, train_data=train_data,
-                          raw_model=raw_model, meta=meta, ckpt_dir=Path(cfg.checkpoint.dir), step=0,
-                          samples_seen=0, tokens_seen=0, bad_in_a_row=0)
+    ckpt_dir = Path(cfg.checkpoint.dir)
     # one run per directory: rank 0 holds a lock on it before it looks at any checkpoint
-    run.lock = on_rank0(hold_directory, run.ckpt_dir, cfg.checkpoint.every > 0, share_result=False)
+    lock = on_rank0(hold_directory, ckpt_dir, cfg.checkpoint.every > 0, share_result=False)
     if world_size > 1 and cfg.checkpoint.every > 0:  # every rank must see what rank 0 writes
-        check_shared_directory(run.ckpt_dir)
+        check_shared_directory(ckpt_dir)
     # Rank 0 alone picks the checkpoint: ranks that listed the directory themselves could see
     # different files (network filesystems cache listings) and would train different weights.
-    resume_dir = on_rank0(find_resume_checkpoint, run.ckpt_dir, cfg.checkpoint.resume)
-    if resume_dir is not None:
-        resume(resume_dir, run, optimizer, scheduler, scaler)
+    resume_dir = on_rank0(find_resume_checkpoint, ckpt_dir, cfg.checkpoint.resume)
+    run = Run() if resume_dir is None else resume(resume_dir, raw_model, optimizer, scheduler,
+                                                  scaler, cfg, meta)
 
     # -------------------------------------------------------------------------- 7. training loop
-    run.loss_of = loss_function(cfg, task, use_compile)
+    loss_of = loss_function(cfg, task, use_compile)
     use_compile = compile_fp8_blocks(raw_model, cfg, use_compile)  # fp8
-    run.timers = SimpleNamespace(data_wait=SpanTimer(device), sync_wait=SpanTimer(device))
-    model, run.parallel = gradient_sync(raw_model, use_compile)  # sharded in section 4
+    model, parallel = gradient_sync(raw_model, use_compile)  # sharded in section 4
     # dcp.async_save writes in a thread of its own and needs a process group with a CPU backend
-    run.async_group = dist.new_group(backend="gloo") if cfg.checkpoint.async_save else None
-    run.peak_flops = peak_flops_per_gpu(device, cfg.log.peak_tflops)
-    run.metrics = on_rank0(open_metrics, Path(cfg.out_dir), run.step, share_result=False)
-    run.exporters = start_exporters(cfg, run.step, device)  # metrics
-    write_metrics(run, {"kind": "start", "step": run.step, "world_size": world_size,
-                        "time": time.time()})
+    async_group = dist.new_group(backend="gloo") if cfg.checkpoint.async_save else None
+    setup = Setup(cfg=cfg, device=device, autocast=autocast, raw_model=raw_model, meta=meta,
+                  train_data=train_data, parallel=parallel, loss_of=loss_of,
+                  data_wait=SpanTimer(device), sync_wait=SpanTimer(device), stop_requested=[],
+                  peak_flops=peak_flops_per_gpu(device, cfg.log.peak_tflops),
+                  metrics=on_rank0(open_metrics, Path(cfg.out_dir), run.step, share_result=False),
+                  exporters=start_exporters(cfg, run.step, device),  # metrics
+                  lock=lock)
+    write_metrics(setup, {"kind": "start", "step": run.step, "world_size": world_size,
+                          "time": time.time()})
     if run.step == 0:
         log0("step 0 | validation (the first steps include compilation)")
-        validate(model, val_data, run)
-    run.stop_requested = catch_stop_signals()  # SIGTERM, SIGINT: finish the step, save, stop
-    interval, batches = Interval(device), step_batches(run, run.samples_seen)
+        validate(model, val_data, setup, run.step)
+    catch_stop_signals(setup.stop_requested)  # SIGTERM, SIGINT: finish the step, save, stop
+    interval, batches = Interval(device), step_batches(setup, run.position)
     memory_step = min(run.step + 2, cfg.train.max_steps)  # AdamW makes its state in the first step
     while run.step < cfg.train.max_steps:
-        result = train_step(model, batches, optimizer, scheduler, scaler, run)
-        run.step, batches = run.step + 1, result.batches
-        interval.add_step(result, run, flops_of)
+        result, batches = train_step(model, batches, optimizer, scheduler, scaler, setup, run)
+        run.step, run.tokens_seen = run.step + 1, run.tokens_seen + result.input_tokens
+        run.position += cfg.train.global_batch_size  # the data position: where the next step starts
+        run.bad_in_a_row = result.bad_in_a_row
+        interval.add_step(result, flops_of)
         last = run.step == cfg.train.max_steps
         if run.step == memory_step:
-            report_memory(run, optimizer, predicted)
+            report_memory(setup, run.step, optimizer, predicted)
         if run.step % cfg.log.every == 0 or last or result.stop:
-            log_interval(interval, run, result)
+            log_interval(interval, setup, run, result)
         with interval.paused():  # validation and checkpoints are not training throughput
             if (run.step % cfg.train.eval_every == 0 or last) and not result.stop:
-                validate(model, val_data, run)
+                validate(model, val_data, setup, run.step)
             if cfg.checkpoint.every and (run.step % cfg.checkpoint.every == 0 or last or
                                          result.stop):
-                save_checkpoint(run, optimizer, scheduler, scaler, wait=last or result.stop)
+                save_checkpoint(setup, run, optimizer, scheduler, scaler, async_group,
+                                wait=last or result.stop)
         if result.stop:
-            raise Stopped(stop_message(run))
+            raise Stopped(stop_message(cfg, run.step))
 
     if cfg.export and not weights_are_finite(raw_model):
         die("the trained weights are not finite: not exported -> lower optim.lr")
-    if run.metrics:
-        run.metrics.close()
-    stop_exporters(run.exporters)  # metrics
+    if setup.metrics:
+        setup.metrics.close()
+    stop_exporters(setup.exporters)  # metrics
     if cfg.export:  # every rank sends its shards; rank 0 alone holds the whole model, in CPU memory
         full_model = gather_full_model(raw_model, cfg, task, meta)
     if rank == 0 and cfg.export:
@@ -215,59 +249,62 @@ def main():
     dist.barrier()  # ranks leave together: one that leaves during rank 0's export can abort at exit
 
 
-def train_step(model, batches, optimizer, scheduler, scaler, run):
-    """One optimizer step over this rank's micro-batches; returns what the log needs."""
-    micro_batches, _, label_tokens, _ = batches
+def train_step(model, batches, optimizer, scheduler, scaler, setup, run):
+    """One optimizer step over this rank's micro-batches: returns what the log needs, and the next
+    step's batches, built while the GPU runs this backward."""
+    micro_batches, input_tokens, label_tokens, lengths = batches
     optimizer.zero_grad(set_to_none=True)  # here, not after the update: the memory report uses them
     # The gradient must be that of the mean loss over every label token of the global batch, however
     # it is split: each micro-batch adds sum(loss) / (label tokens of the global batch), counted on
     # the host from the shared plan. The reduction averages over ranks: the world_size undoes that.
     loss_scale = dist.get_world_size() / max(1, label_tokens)
-    loss_sum = torch.zeros((), device=run.device, dtype=torch.float64)
+    loss_sum = torch.zeros((), device=setup.device, dtype=torch.float64)
     for index, batch in enumerate(micro_batches):
-        with run.parallel.sync(last=index == len(micro_batches) - 1):  # only the last reduces
-            with run.autocast:
+        with setup.parallel.sync(last=index == len(micro_batches) - 1):  # only the last reduces
+            with setup.autocast:
                 logits = model(**batch["inputs"]).logits
-            micro_loss = run.loss_of(logits, batch["labels"])
+            micro_loss = setup.loss_of(logits, batch["labels"])
             micro_loss = nan_fault(micro_loss, run.step + 1)  # FAULT
             scaler.scale(micro_loss * loss_scale).backward()
         del logits  # free now, not after the next forward
         loss_sum += micro_loss.detach()
-    with run.timers.data_wait:  # the next step's batches, built while the GPU runs this backward
+    with setup.data_wait:  # the next step's batches, built while the GPU runs this backward
         fault_point(run.step + 1)  # FAULT
-        next_batches = step_batches(run, run.samples_seen + run.cfg.train.global_batch_size)
+        next_batches = step_batches(setup, run.position + setup.cfg.train.global_batch_size)
     scaler.unscale_(optimizer)  # clip the true gradient, not the fp16-scaled one
-    grad_norm = torch.nn.utils.clip_grad_norm_(run.raw_model.parameters(),
-                                               run.cfg.optim.grad_clip or float("inf"))
+    grad_norm = torch.nn.utils.clip_grad_norm_(setup.raw_model.parameters(),
+                                               setup.cfg.optim.grad_clip or float("inf"))
     grad_norm = local(grad_norm, whole=True)  # the norm over every shard, alike on every rank
-    bad, stop = step_verdict(grad_norm, run)  # every rank decides alike, at the same step
+    bad, stop, in_a_row = step_verdict(grad_norm, setup, run)  # every rank decides alike
     if not bad:  # a non-finite gradient: no update on any rank; the data and schedule move on
         optimizer.step()
-        fp8_scales_after_update(run.raw_model, run.cfg)  # fp8
+        fp8_scales_after_update(setup.raw_model, setup.cfg)  # fp8
     scaler.update()
     lr = optimizer.param_groups[0]["lr"]  # the rate this step used: scheduler.step() sets the next
     scheduler.step()
     return SimpleNamespace(loss_sum=loss_sum, grad_norm=grad_norm, lr=lr, bad=bad, stop=stop,
-                           batches=next_batches, done=batches)
+                           bad_in_a_row=in_a_row, input_tokens=input_tokens,
+                           label_tokens=label_tokens, lengths=lengths), next_batches
 
 
-def step_verdict(grad_norm, run):
+def step_verdict(grad_norm, setup, run):
     """Is the gradient non-finite on some rank, and was some rank asked to stop? One all-reduce:
-    a NaN on one rank reaches all through the gradients, a signal may reach one rank only."""
-    verdict = torch.full((2,), float(bool(run.stop_requested)), device=run.device)  # no host copy
+    a NaN on one rank reaches all through the gradients, a signal may reach one rank only. Returns
+    both, and the count of bad steps in a row with this one."""
+    # filled on the device: no copy from the host
+    verdict = torch.full((2,), float(bool(setup.stop_requested)), device=setup.device)
     verdict[0] = grad_norm.isfinite().logical_not()
-    with run.timers.sync_wait:  # how long this rank waits here for the slowest: step_time_skew
+    with setup.sync_wait:  # how long this rank waits here for the slowest: step_time_skew
         dist.all_reduce(verdict, op=dist.ReduceOp.MAX)
     bad, stop = (value > 0 for value in verdict.tolist())  # the host waits here for the GPU
-    run.bad_in_a_row = run.bad_in_a_row + 1 if bad else 0
+    in_a_row = run.bad_in_a_row + 1 if bad else 0
     if bad:
-        log0(f"step {run.step + 1} | non-finite gradient: update skipped ({run.bad_in_a_row} in a "
-             "row)")
-    if run.bad_in_a_row >= run.cfg.train.max_bad_steps:
-        die(f"{run.bad_in_a_row} steps in a row had a non-finite gradient (train.max_bad_steps="
-            f"{run.cfg.train.max_bad_steps}); no update was made from them and no checkpoint holds "
-            "them -> lower optim.lr or raise optim.warmup_steps, and check the data")
-    return bad, stop
+        log0(f"step {run.step + 1} | non-finite gradient: update skipped ({in_a_row} in a row)")
+    if in_a_row >= setup.cfg.train.max_bad_steps:
+        die(f"{in_a_row} steps in a row had a non-finite gradient (train.max_bad_steps="
+            f"{setup.cfg.train.max_bad_steps}); no update was made from them and no checkpoint "
+            "holds them -> lower optim.lr or raise optim.warmup_steps, and check the data")
+    return bad, stop, in_a_row
 
 
 # ----------------------------------------------------------------------------- the parallelism
@@ -399,44 +436,44 @@ LOAD_ERRORS = (OSError, RuntimeError, KeyError, ValueError, EOFError, TypeError,
                pickle.UnpicklingError)
 
 
-def train_state(run, scheduler, scaler):
+def train_state(setup, run, scheduler, scaler):
     """All a run needs to go on exactly beside the weights and the optimizer: step, data position,
     every rank's random state, schedule, grad scaler, config; collective."""
-    if not weights_are_finite(run.raw_model):  # skipped steps keep this from happening
+    if not weights_are_finite(setup.raw_model):  # skipped steps keep this from happening
         die(f"the weights are not finite at step {run.step}: no checkpoint written -> lower "
             "optim.lr")
     rng_states = [None] * dist.get_world_size()
     dist.all_gather_object(rng_states, rng_state())
-    return {"step": run.step, "samples_seen": run.samples_seen, "rng": rng_states,
-            "tokens_seen": run.tokens_seen, "config": config_dict(run.cfg),
+    return {"step": run.step, "samples_seen": run.position, "rng": rng_states,
+            "tokens_seen": run.tokens_seen, "config": config_dict(setup.cfg),
             "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
-            "data_fingerprint": run.meta.get("fingerprint"), "world_size": dist.get_world_size(),
-            "vocab_size": run.meta.get("vocab_size"), "classes": run.meta.get("classes")}
+            "data_fingerprint": setup.meta.get("fingerprint"), "world_size": dist.get_world_size(),
+            "vocab_size": setup.meta.get("vocab_size"), "classes": setup.meta.get("classes")}
 
 
-def save_checkpoint(run, optimizer, scheduler, scaler, wait=True):
+def save_checkpoint(setup, run, optimizer, scheduler, scaler, async_group, wait=True):
     """Every rank writes its shards of the model and the optimizer into one temporary directory
-    (torch.distributed.checkpoint), rank 0 train_state(); finish_checkpoint publishes it. With
-    checkpoint.async_save and not `wait`, the shards are copied to CPU memory here and written by a
-    background thread while training goes on."""
+    (torch.distributed.checkpoint), rank 0 train_state(); finish_checkpoint publishes it. With an
+    async_group (checkpoint.async_save) and not `wait`, the shards are copied to CPU memory here
+    and written by a background thread while training goes on."""
     finish_checkpoint()  # the one before, if still being written: published first
-    state = train_state(run, scheduler, scaler)
-    final = step_dir(run.ckpt_dir, run.step)
-    temporary = run.ckpt_dir / f".tmp-{final.name}"  # the same name on every rank
+    state, ckpt_dir = train_state(setup, run, scheduler, scaler), Path(setup.cfg.checkpoint.dir)
+    final = step_dir(ckpt_dir, run.step)
+    temporary = ckpt_dir / f".tmp-{final.name}"  # the same name on every rank
     on_rank0(write_train_state, temporary, state)
-    model_state, optimizer_state = get_state_dict(run.raw_model, optimizer)
+    model_state, optimizer_state = get_state_dict(setup.raw_model, optimizer)
     shards = {"model": model_state, "optimizer": optimizer_state}
-    saving = SimpleNamespace(temporary=temporary, final=final, keep=run.cfg.checkpoint.keep,
+    saving = SimpleNamespace(temporary=temporary, final=final, keep=setup.cfg.checkpoint.keep,
                              needed=tensor_bytes(shards), future=None)
     try:
-        if run.async_group is not None and not wait:
+        if async_group is not None and not wait:
             saving.future = dcp.async_save(shards, checkpoint_id=temporary,
-                                           process_group=run.async_group)
+                                           process_group=async_group)
         else:
             dcp.save(shards, checkpoint_id=temporary)
     except CheckpointException as error:  # raised on every rank when any rank fails
         on_rank0(shutil.rmtree, temporary, True)
-        die(cannot_write(run.ckpt_dir, error, saving.needed))
+        die(cannot_write(ckpt_dir, error, saving.needed))
     save_fault(run.step)  # FAULT
     IN_FLIGHT.append(saving)
     if saving.future is None:
@@ -560,26 +597,26 @@ def hold_directory(ckpt_dir, writing):
     return lock
 
 
-def resume(resume_dir, run, optimizer, scheduler, scaler):
-    """Load a checkpoint into the model, optimizer, schedule and scaler, and the run's position."""
-    state = on_all_ranks(load_train_state, resume_dir, scheduler, scaler, run.cfg, run.meta)
-    on_all_ranks(load_weights, resume_dir, run.raw_model, optimizer)
-    run.step, run.samples_seen, run.tokens_seen = (state[key] for key in
-                                                   ("step", "samples_seen", "tokens_seen"))
-    if run.step >= run.cfg.train.max_steps:
-        die(f"{resume_dir} is at step {run.step}, train.max_steps is {run.cfg.train.max_steps}: "
+def resume(resume_dir, raw_model, optimizer, scheduler, scaler, cfg, meta):
+    """Load a checkpoint into the model, optimizer, schedule and scaler; returns its Run."""
+    state = on_all_ranks(load_train_state, resume_dir, scheduler, scaler, cfg, meta)
+    on_all_ranks(load_weights, resume_dir, raw_model, optimizer)
+    run = Run(step=state["step"], position=state["samples_seen"], tokens_seen=state["tokens_seen"])
+    if run.step >= cfg.train.max_steps:
+        die(f"{resume_dir} is at step {run.step}, train.max_steps is {cfg.train.max_steps}: "
             "nothing left to train -> raise train.max_steps to go on, or start afresh in a new "
             "checkpoint.dir")
-    restore_rng(state["rng"], dist.get_rank(), run.cfg.train.seed, run.step)
-    apply_settings(optimizer, scheduler, run.cfg, run.step)
-    changed = changed_settings(state["config"], run.cfg)
+    restore_rng(state["rng"], dist.get_rank(), cfg.train.seed, run.step)
+    apply_settings(optimizer, scheduler, cfg, run.step)
+    changed = changed_settings(state["config"], cfg)
     if changed:
         log0(f"note: changed since the checkpoint, this run's values apply: {', '.join(changed)}")
-    if state.get("data_fingerprint") != run.meta.get("fingerprint"):
-        log0(f"warning: {run.cfg.data.dir} was rebuilt since {resume_dir} was written; the data "
+    if state.get("data_fingerprint") != meta.get("fingerprint"):
+        log0(f"warning: {cfg.data.dir} was rebuilt since {resume_dir} was written; the data "
              "position may not match")
-    log0(f"resumed from {resume_dir}: step {run.step}, {run.samples_seen:,} samples, "
+    log0(f"resumed from {resume_dir}: step {run.step}, {run.position:,} samples, "
          f"{run.tokens_seen:,} tokens seen")
+    return run
 
 
 def load_train_state(path, scheduler, scaler, cfg, meta):
@@ -1274,10 +1311,10 @@ def splitmix64(values):
     return values ^ (values >> np.uint64(31))
 
 
-def step_batches(run, position):
+def step_batches(setup, position):
     """This rank's micro-batches of the training step that starts at sample `position`."""
-    batches = rank_batches(run.train_data, position, run.cfg.train.seed, run.cfg,
-                           dist.get_world_size(), dist.get_rank(), run.device)
+    batches = rank_batches(setup.train_data, position, setup.cfg.train.seed, setup.cfg,
+                           dist.get_world_size(), dist.get_rank(), setup.device)
     return batches
 
 
@@ -1925,7 +1962,7 @@ def memory_prediction(raw_model, device):
     return {"weights": weights, "gradients": trained, "optimizer": 2 * trained}
 
 
-def report_memory(run, optimizer, predicted):
+def report_memory(setup, step, optimizer, predicted):
     """After an update: the prediction, the same summed from the tensors that exist (its check),
     on a GPU the allocator's allocated, peak and reserved bytes, and the input embedding's share."""
     def held(parameters):  # by device type; AdamW's "step", a 0-d tensor, is no part of it
@@ -1937,14 +1974,14 @@ def report_memory(run, optimizer, predicted):
 
     memory = {"predicted_bytes": sum(predicted.values()),
               **{f"predicted_{key}_bytes": value for key, value in predicted.items()},
-              "held_bytes": held(run.raw_model.parameters()).get(run.device.type, 0)}
-    if run.device.type == "cuda":
-        memory.update(allocated_bytes=torch.cuda.memory_allocated(run.device),
-                      peak_bytes=torch.cuda.max_memory_allocated(run.device),
-                      reserved_bytes=torch.cuda.memory_reserved(run.device))
-    write_metrics(run, {"kind": "memory", "step": run.step, **memory})
+              "held_bytes": held(setup.raw_model.parameters()).get(setup.device.type, 0)}
+    if setup.device.type == "cuda":
+        memory.update(allocated_bytes=torch.cuda.memory_allocated(setup.device),
+                      peak_bytes=torch.cuda.max_memory_allocated(setup.device),
+                      reserved_bytes=torch.cuda.memory_reserved(setup.device))
+    write_metrics(setup, {"kind": "memory", "step": step, **memory})
     mib = {key: value / 2**20 for key, value in memory.items()}
-    line = (f"step {run.step} | memory per rank: weights + gradients + AdamW state predicted "
+    line = (f"step {step} | memory per rank: weights + gradients + AdamW state predicted "
             f"{mib['predicted_bytes']:,.1f} MiB, held by those tensors "
             f"{mib['held_bytes']:,.1f} MiB")
     if "peak_bytes" in memory:
@@ -1954,8 +1991,8 @@ def report_memory(run, optimizer, predicted):
                  f"prediction), reserved {mib['reserved_bytes']:,.1f} MiB (the allocator's cache: "
                  f"{mib['reserved_bytes'] - mib['peak_bytes']:,.1f} MiB above the peak)")
     log0(line)
-    embedding = held(run.raw_model.get_input_embeddings().parameters())
-    log0(f"step {run.step} | input embedding (weights, gradients, optimizer state): "
+    embedding = held(setup.raw_model.get_input_embeddings().parameters())
+    log0(f"step {step} | input embedding (weights, gradients, optimizer state): "
          + ", ".join(f"{size / 2**20:,.1f} MiB on {kind}"
                      for kind, size in sorted(embedding.items())))
 
@@ -1976,17 +2013,14 @@ class Interval:
         self.start, self.paused_s = now, 0.0
         self.loss_sum.zero_()
 
-    def add_step(self, result, run, flops_of):
-        """A finished step: the run's position moves on; its tokens, FLOPs and loss are counted."""
-        _, input_tokens, label_tokens, lengths = result.done
-        run.samples_seen += run.cfg.train.global_batch_size
-        run.tokens_seen += input_tokens
-        self.steps, self.input_tokens = self.steps + 1, self.input_tokens + input_tokens
-        self.flops += flops_of(lengths)
+    def add_step(self, result, flops_of):
+        """A finished step (train_step's result): its tokens, FLOPs and loss are counted."""
+        self.steps, self.input_tokens = self.steps + 1, self.input_tokens + result.input_tokens
+        self.flops += flops_of(result.lengths)
         self.skipped += result.bad
         if not result.bad:  # a skipped step's loss is not in the log's
             self.loss_sum += result.loss_sum
-            self.label_tokens += label_tokens
+            self.label_tokens += result.label_tokens
 
     @contextlib.contextmanager
     def paused(self):
@@ -1997,7 +2031,7 @@ class Interval:
         self.paused_s += time.perf_counter() - start
 
 
-def log_interval(interval, run, result):
+def log_interval(interval, setup, run, result):
     """One line for the steps since the last: to the console (rank 0) and to metrics.jsonl."""
     dist.all_reduce(interval.loss_sum)
     loss_sum = interval.loss_sum.item()  # waits for the GPU: the clock then counts finished work
@@ -2005,16 +2039,16 @@ def log_interval(interval, run, result):
     elapsed = now - interval.start - interval.paused_s
     # Every rank's busy time (the interval less its waits for the others at the step's sync) and the
     # share of it its device sat idle while its host built batches: the slowest rank holds up all.
-    per_rank = gather_floats([elapsed - run.timers.sync_wait.total_s(),
-                              run.timers.data_wait.total_s() / elapsed], run.device)
+    per_rank = gather_floats([elapsed - setup.sync_wait.total_s(),
+                              setup.data_wait.total_s() / elapsed], setup.device)
     busy = [busy_s for busy_s, _ in per_rank]
-    cuda, gib, several = run.device.type == "cuda", 2**30, len(per_rank) > 1
+    cuda, gib, several = setup.device.type == "cuda", 2**30, len(per_rank) > 1
     record = {
         "kind": "train", "step": run.step, "grad_norm": result.grad_norm.item(), "lr": result.lr,
         "loss": loss_sum / interval.label_tokens if interval.label_tokens else None,  # all skipped
         "tokens_per_sec": interval.input_tokens / elapsed,
         "steps_per_sec": interval.steps / elapsed,
-        "mfu": (interval.flops / (elapsed * run.peak_flops * len(per_rank)) if run.peak_flops
+        "mfu": (interval.flops / (elapsed * setup.peak_flops * len(per_rank)) if setup.peak_flops
                 else None),
         "gpu_util": None,
         "mem_alloc_gib": torch.cuda.memory_allocated() / gib if cuda else None,
@@ -2026,12 +2060,11 @@ def log_interval(interval, run, result):
         "step_time_skew": max(busy) / max(min(busy), 1e-9) if several else None,
         "slowest_rank": busy.index(max(busy)) if several else None,
         "tokens_seen": run.tokens_seen, "skipped_steps": interval.skipped,
-        "eta_s": elapsed / interval.steps * (run.cfg.train.max_steps - run.step),
+        "eta_s": elapsed / interval.steps * (setup.cfg.train.max_steps - run.step),
     }
-    record["gpu_util"] = run.exporters.gpu_util()  # metrics
-    record = image_record(record, run.train_data)  # images
-    write_metrics(run, record)
-    log0(log_line(record, run.cfg.train.max_steps))
+    record = image_record(record, setup.train_data)  # images
+    record = write_metrics(setup, record)
+    log0(log_line(record, setup.cfg.train.max_steps))
     interval.reset(now)
 
 
@@ -2058,23 +2091,23 @@ def log_line(record, max_steps):
     return line + f" | ETA {f'{hours}h{minutes:02d}m' if hours else f'{minutes}m{seconds:02d}s'}"
 
 
-def validate(model, val_data, run):
+def validate(model, val_data, setup, step):
     """The mean loss per label and the top-1 accuracy over the same validation batches every time,
     each rank doing its share: rank 0 alone would be world_size times slower, and would hang the
     others if the forward itself communicates (FSDP all-gathers weights) or outlasts dist.timeout_s.
     Images: the whole split, each image counted once (labels past its end are IGNORE_INDEX)."""
     model.eval()
-    batches, global_batch = run.cfg.train.eval_batches, run.cfg.train.global_batch_size
+    batches, global_batch = setup.cfg.train.eval_batches, setup.cfg.train.global_batch_size
     if val_data.task == "image":  # images
         batches = -(-len(val_data) // global_batch)  # images
-    sums = torch.zeros(3, device=run.device, dtype=torch.float64)  # loss, correct, labels
+    sums = torch.zeros(3, device=setup.device, dtype=torch.float64)  # loss, correct, labels
     with torch.no_grad():
         for batch_index in range(batches):
             micro_batches = rank_batches(val_data, (batch_index * global_batch) % len(val_data),
-                                         None, run.cfg, dist.get_world_size(), dist.get_rank(),
-                                         run.device)[0]
+                                         None, setup.cfg, dist.get_world_size(), dist.get_rank(),
+                                         setup.device)[0]
             for batch in micro_batches:
-                with run.autocast:
+                with setup.autocast:
                     logits = model(**batch["inputs"]).logits
                 counted = batch["labels"] != IGNORE_INDEX
                 sums[0] += token_loss_sum(logits, batch["labels"])
@@ -2084,30 +2117,29 @@ def validate(model, val_data, run):
     model.train()
     loss_sum, correct, labels = sums.tolist()
     val_loss, val_accuracy = loss_sum / max(1, labels), correct / max(1, labels)
-    log0(f"step {run.step} | val loss {val_loss:.4f} | accuracy {100 * val_accuracy:.2f}%")
-    write_metrics(run, {"kind": "val", "step": run.step, "val_loss": val_loss,
+    log0(f"step {step} | val loss {val_loss:.4f} | accuracy {100 * val_accuracy:.2f}%")
+    write_metrics(setup, {"kind": "val", "step": step, "val_loss": val_loss,
                         "val_accuracy": val_accuracy})
 
 
-def stop_message(run):
+def stop_message(cfg, step):
     """The line a stopped run ends with, and the command that goes on from there."""
-    if not run.cfg.checkpoint.every:
-        return (f"stopped at step {run.step} by a stop signal; no checkpoint (checkpoint.every=0) "
+    if not cfg.checkpoint.every:
+        return (f"stopped at step {step} by a stop signal; no checkpoint (checkpoint.every=0) "
                 "-> the same command trains these steps again; set checkpoint.every to keep them")
     # resume=never or an older step_* directory would refuse the checkpoint just written
-    added = "" if run.cfg.checkpoint.resume == "auto" else " with checkpoint.resume=auto added"
-    return (f"stopped at step {run.step} by a stop signal; checkpoint "
-            f"{step_dir(run.ckpt_dir, run.step)} is written -> run the same command{added} to "
-            "resume from the newest checkpoint")
+    added = "" if cfg.checkpoint.resume == "auto" else " with checkpoint.resume=auto added"
+    return (f"stopped at step {step} by a stop signal; checkpoint "
+            f"{step_dir(Path(cfg.checkpoint.dir), step)} is written -> run the same command{added} "
+            "to resume from the newest checkpoint")
 
 
-def catch_stop_signals():
+def catch_stop_signals(requested):
     """SIGTERM (a scheduler's preemption; torchrun passes it on to every worker and kills them 30 s
-    later by default) and SIGINT (Ctrl-C) ask for a clean stop: the list returned gets the signal's
-    name and time, and every rank stops after the same step, with a checkpoint. Slurm signals every
-    process of a job step and torchrun passes its own on, so signals within STOP_REPEAT_S of the
-    first repeat it; a later one stops this process at once, without a checkpoint."""
-    requested = []
+    later by default) and SIGINT (Ctrl-C) ask for a clean stop: the list `requested` gets the
+    signal's name and time, and every rank stops after the same step, with a checkpoint. Slurm
+    signals every process of a job step and torchrun passes its own on, so signals within
+    STOP_REPEAT_S of the first repeat it; a later one stops this process at once, without one."""
 
     def on_signal(number, frame):
         if requested and time.monotonic() - requested[0][1] > STOP_REPEAT_S:
@@ -2121,7 +2153,6 @@ def catch_stop_signals():
 
     for number in (signal.SIGTERM, signal.SIGINT):
         signal.signal(number, on_signal)
-    return requested
 
 
 def open_metrics(out_dir, step):
@@ -2145,11 +2176,13 @@ def open_metrics(out_dir, step):
         die(f"cannot write {path} ({error}) -> set out_dir to a writable directory")
 
 
-def write_metrics(run, record):
-    if run.metrics:
-        run.metrics.write(json.dumps(record) + "\n")
-        run.metrics.flush()
-    export_metrics(run.exporters, record)  # metrics
+def write_metrics(setup, record):
+    """Append a record to metrics.jsonl (rank 0); returns it as written."""
+    record = export_metrics(setup, record)  # metrics
+    if setup.metrics:
+        setup.metrics.write(json.dumps(record) + "\n")
+        setup.metrics.flush()
+    return record
 
 
 class SpanTimer:
@@ -2307,9 +2340,13 @@ def start_prometheus(port):
     return SimpleNamespace(client=prometheus_client, registry=registry, server=server, gauges={})
 
 
-def export_metrics(exporters, record):
-    """Every number of a record, under its own name: TensorBoard on rank 0, a gauge on every rank
-    (a key that is null today appears as soon as it holds a number)."""
+def export_metrics(setup, record):
+    """The record with what this block measures (a train record's GPU utilisation, and DDP's
+    all-reduce times), every number of it under its own name: TensorBoard on rank 0, a gauge on
+    every rank (a key that is null today appears as soon as it holds a number)."""
+    exporters = setup.exporters
+    if record["kind"] == "train":
+        record = {**record, "gpu_util": exporters.gpu_util()}
     numbers = {key: value for key, value in record.items()
                if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step"}
     if exporters.tensorboard and record["kind"] != "start":
@@ -2327,6 +2364,7 @@ def export_metrics(exporters, record):
                     f"trainer_{key}", f"metrics.jsonl's {key} ({record['kind']} records)", ["rank"],
                     registry=exporters.prometheus.registry).labels(rank=str(dist.get_rank()))
             gauges[key].set(value)
+    return record
 
 
 def gpu_util_reader(device, enabled):

@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-ANCHOR = "        result = train_step(model, batches, optimizer, scheduler, scaler, run)\n"
+ANCHOR = ("        result, batches = train_step(model, batches, optimizer, scheduler, scaler, "
+          "setup, run)\n")
 
 
 class Window:
