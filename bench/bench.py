@@ -148,9 +148,26 @@ STAGES = {
                                "side_extra": {"variant:compile_blocks#fp8":
                                               ["train.precision=fp8"]}},
     # GPT-2 of shape B (the nanoGPT comparison's) with its blocks compiled one by one
-    "compile_blocks_shapeB_1gpu": {"sides": ["variant:compile_blocks"], "shape": "B", "gpus": 1,
-                                   "steps": 30, "skip_steps": 10, "log_every": 5,
-                                   "timeout_s": 200},
+    "compile_blocks_shapeB_1gpu": {"sides": ["ours", "variant:compile_blocks"], "shape": "B",
+                                   "gpus": 1, "steps": 30, "skip_steps": 10, "log_every": 5,
+                                   "timeout_s": 240, "batch": {"micro_batch_size": 32}},
+    # Levers against nanoGPT on shape A, one at a time, every side with micro-batches of 32:
+    # Python's garbage collector off in the loop, CUDA graphs (torch.compile's reduce-overhead),
+    # inductor's coordinate-descent tuning; then cuDNN's attention against flash at head sizes 64
+    # and 80, and micro-batches of 64 on both sides
+    "levers_shapeA_1gpu": {"sides": ["ours", "nanogpt", "variant:gc_off", "variant:cuda_graphs",
+                                     "variant:inductor_tuned"], "shape": "A", "gpus": 1,
+                           "steps": 150, "skip_steps": 20, "log_every": 10, "timeout_s": 200,
+                           "budget_s": 580, "batch": {"micro_batch_size": 32}},
+    "attention_levers_shapeA_1gpu": {"sides": ["ours", "variant:sdpa_cudnn", "config:micro64",
+                                               "nanogpt_micro64"], "shape": "A", "gpus": 1,
+                                     "steps": 150, "skip_steps": 20, "log_every": 10,
+                                     "timeout_s": 200, "budget_s": 580,
+                                     "batch": {"micro_batch_size": 32}},
+    "attention_head80_1gpu": {"sides": ["ours", "variant:sdpa_cudnn"], "shape": "A", "gpus": 1,
+                              "steps": 150, "skip_steps": 20, "log_every": 10, "timeout_s": 200,
+                              "batch": {"micro_batch_size": 32},
+                              "extra": ["model.n_embd=960", "model.n_head=12"]},
     # train_fsdp.py against train_ddp.py on one GPU, micro-batches of 32 (the GPU default)
     "fsdp_shapeA_1gpu": {"sides": ["ours", "ours_fsdp"], "shape": "A",
                          "gpus": 1, "steps": 150, "skip_steps": 30, "log_every": 10,
@@ -351,6 +368,25 @@ VARIANTS = {
                         "        for block in repeated_blocks(raw_model) if use_compile else []:\n"
                         "            block.compile()\n"
                         "        return raw_model, nothing\n")],
+    # no garbage collection during the loop: its pauses land at random steps
+    "gc_off": [("    memory_step = min(run.step + 2, cfg.train.max_steps)",
+                "    gc.collect()\n    gc.freeze()\n    gc.disable()\n"
+                "    memory_step = min(run.step + 2, cfg.train.max_steps)")],
+    # one process: the compiled model's graphs replayed as CUDA graphs (fewer kernel launches)
+    "cuda_graphs": [("        return torch.compile(raw_model) if use_compile else raw_model, "
+                     "nothing\n",
+                     "        return torch.compile(raw_model, mode=\"reduce-overhead\") "
+                     "if use_compile else raw_model, nothing\n")],
+    # inductor tunes each generated kernel's launch parameters (a longer compile)
+    "inductor_tuned": [("def main():\n", "def main():\n"
+                        "    import torch._inductor.config as inductor_config\n"
+                        "    inductor_config.coordinate_descent_tuning = True\n")],
+    # SDPA through cuDNN's attention alone, not flash
+    "sdpa_cudnn": [("def main():\n", "def main():\n"
+                    "    torch.backends.cuda.enable_flash_sdp(False)\n"
+                    "    torch.backends.cuda.enable_mem_efficient_sdp(False)\n"
+                    "    torch.backends.cuda.enable_math_sdp(False)\n"
+                    "    torch.backends.cuda.enable_cudnn_sdp(True)\n")],
     # fp8 without torch.compile, which the trainer refuses
     "fp8_eager": [("    if not use_compile:\n        return (\"train.precision=fp8 needs torch",
                    "    if False:\n        return (\"train.precision=fp8 needs torch")],
@@ -1515,6 +1551,7 @@ def run_preprocess_images(stage_name, stage, shape, batch, tiny, port, log):
 SIDE_RUNNERS = {"dataparallel": run_dataparallel, "ours": run_ours, "ours_fsdp": run_ours,
                 "ours_tiered": run_ours, "nanogpt": run_nanogpt,
                 "nanogpt_micro32": lambda *args: run_nanogpt(*args, micro_batch_size=32),
+                "nanogpt_micro64": lambda *args: run_nanogpt(*args, micro_batch_size=64),
                 "hf_trainer": run_hf_trainer, "hf_trainer_compiled": run_hf_trainer,
                 "hf_trainer_vit": run_hf_trainer, "timm": run_timm, "vit_demo": run_vit_demo,
                 "preprocess_images": run_preprocess_images}
