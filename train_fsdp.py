@@ -12,9 +12,9 @@ The model is built on the meta device and filled from rank 0, so it never has to
 checkpoints are sharded (torch.distributed.checkpoint): every rank writes its part, and a checkpoint
 loads on any number of ranks. Pick FSDP when the weights, gradients and AdamW state (16 bytes per
 parameter) do not fit on one GPU. Read main(), train_step(), then shard_model() and the sharded
-checkpoint after it. Optional parts go with the lines tagged for them: # MLM and # images, whose
-blocks stand by the data, and the blocks at the end, # metrics (TensorBoard, Prometheus, NVML) and
-# FAULT (fault injection for the tests).
+checkpoint after it. Optional parts stand in blocks at the end, each with a few lines tagged for
+it: # MLM, # images, # metrics (TensorBoard, Prometheus, NVML), # fp8 and # FAULT (fault injection
+for the tests).
 """
 
 import contextlib
@@ -46,6 +46,7 @@ import pyarrow.compute  # noqa: F401  (pa.compute)
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import transformers
 import yaml
 from tokenizers import Tokenizer
 import torch.distributed.checkpoint as dcp
@@ -57,23 +58,20 @@ from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecision
                                     OffloadPolicy, fully_shard)
 from torch.distributed.tensor import DTensor
 from transformers import (AttentionInterface, AttentionMaskInterface, AutoConfig,
-                          AutoModelForCausalLM, AutoModelForMaskedLM, PreTrainedTokenizerFast)
-from transformers import AutoModelForImageClassification  # images
+                          AutoModelForCausalLM, PreTrainedTokenizerFast)
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES  # MLM
-from transformers.utils import logging as transformers_logging
 
-# Every knob and its default; config.yaml holds the same values, each with the reason for it.
+# Every knob and its default (an optional part adds its own in its block); config.yaml holds the
+# same values, each with the reason for it.
 DEFAULTS = {
     "out_dir": "out", "export": True,
-    "model": dict(type="gpt2", task="auto", pretrained="", n_layer=12, n_head=12, n_embd=768,
+    "model": dict(type="gpt2", pretrained="", n_layer=12, n_head=12, n_embd=768,
                   intermediate_size=0, dropout=0.0, attention="auto", tie_word_embeddings="auto",
-                  embedding_gpu_rows=0, patch_size=0),
+                  embedding_gpu_rows=0),
     "data": dict(dir="data/stdlib", vocab_size=8192, val_fraction=0.02),
     "train": dict(seq_len=1024, global_batch_size=64, micro_batch_size=32, max_steps=300,
                   precision="auto", compile="auto", seed=1337, eval_every=100, eval_batches=8,
-                  mlm_probability=0.15, pad_to_multiple=0, max_bad_steps=10, crop_padding=4,
-                  hflip=False),
+                  max_bad_steps=10),
     "optim": dict(lr=6e-4, min_lr=6e-5, warmup_steps=50, weight_decay=0.1, beta1=0.9, beta2=0.95,
                   eps=1e-8, grad_clip=1.0),
     "checkpoint": dict(dir="out/checkpoints", every=100, keep=2, resume="auto", async_save=False),
@@ -89,13 +87,14 @@ CPU_PRESET = {"model.n_layer": 2, "model.n_head": 4, "model.n_embd": 128, "train
               "train.global_batch_size": 32, "train.micro_batch_size": 16, "train.max_steps": 200,
               "train.eval_every": 50, "train.eval_batches": 4, "optim.lr": 2e-3,
               "optim.min_lr": 2e-4, "optim.warmup_steps": 20, "checkpoint.every": 100}
+PRESETS = {"cpu_preset": CPU_PRESET}  # the preset sections config.yaml may hold, built in
 OTHER_TRAINER = "train_ddp.py"  # its knobs, refused here unless at their defaults, and why
 NOT_HERE = {"dist.reducer": "FSDP reduce-scatters the gradients itself",
             "dist.grad_compression": "FSDP reduces the gradients in fp32",
             "dist.bucket_mb": "FSDP has no buckets: it all-gathers and reduce-scatters per block",
             "model.embedding_gpu_rows": "FSDP shards the embedding over the ranks already; "
                                         "fsdp.cpu_offload=true keeps the shards in CPU memory"}
-IGNORE_INDEX = -100  # the label F.cross_entropy skips: padding, and the positions MLM leaves
+IGNORE_INDEX = -100  # a label the loss and the accuracy skip (F.cross_entropy's default)
 # Exit codes: 0 done; 1 a rank was lost (a restart may help); 2 a mistake to fix (no restart would)
 EXIT_STOPPED = 3  # stopped by a signal after a checkpoint: run the same command again to go on
 STOP_REPEAT_S = 60  # signals this soon after the first only repeat it: Slurm and torchrun both send
@@ -136,10 +135,13 @@ def main():
     cfg = load_config([arg for arg in sys.argv[1:] if arg != "--check"], use_cuda)
     world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     micro_batches = check_config(cfg, world_size)
+    reader = ArrowTokens  # the task and the reader of its data: a causal LM on text
+    reader = masked_lm_reader(cfg, reader)  # MLM
+    reader = image_reader(cfg, reader)  # images
     if "--check" in sys.argv:  # launch.sh validates the config before it starts any process
         for key in ["data.dir", "checkpoint.dir", "checkpoint.resume", "out_dir", "dist.timeout_s"]:
             print(f"{key}={config_dict(cfg)[key]}")
-        print(f"data.kind={'images' if is_image_model(cfg) else 'text'}")  # images
+        print(f"data.kind={reader.kind}")  # what launch.sh prepares where data.dir has none
         return
 
     # ----------------------------------------------------------------------- 2. distributed init
@@ -155,22 +157,18 @@ def main():
 
     # ----------------------------------------------------------------------------------- 3. data
     data_dir = Path(cfg.data.dir)
-    meta = read_meta(data_dir, cfg)
-    task, reader = "causal", ArrowTokens
-    if cfg.model.task == "mlm" or (cfg.model.task == "auto" and is_masked_lm_type(cfg)):  # MLM
-        task = "mlm"  # MLM
-    task, reader = image_task(cfg, meta, task, reader)  # images
-    train_data, val_data = (reader(data_dir, meta, split, task, cfg.train.seq_len)
+    meta = read_meta(data_dir, reader)
+    train_data, val_data = (reader(data_dir, meta, split, cfg.train.seq_len)
                             for split in ("train", "val"))
-    log0(f"data {data_dir}: {task} samples train {len(train_data):,} val {len(val_data):,} "
+    log0(f"data {data_dir}: {reader.task} samples train {len(train_data):,} val {len(val_data):,} "
          f"({train_data.summary})")
 
     # ---------------------------------------------------------------------------------- 4. model
     use_compile = cfg.train.compile == "true" or (cfg.train.compile == "auto" and use_cuda)
     torch.manual_seed(cfg.train.seed)  # the same initial weights on every rank
-    raw_model, attention = shard_model(cfg, task, meta, device, use_compile, dtype)
-    flops_of = model_flops_counter(raw_model, task, attention, cfg)  # per step, for MFU
-    log0(f"model {raw_model.config.model_type} ({task}), "
+    raw_model, attention = shard_model(cfg, reader, meta, device, use_compile, dtype)
+    flops_of = reader.flops_counter(raw_model, attention, cfg)  # per step, for MFU
+    log0(f"model {raw_model.config.model_type} ({reader.task}), "
          f"{sum(p.numel() for p in raw_model.parameters()) / 1e6:.1f}M parameters, attention "
          f"{attention}, {train_data.model_summary(raw_model.config)}")
     # dropout differs per rank on purpose (other data); seeded from (seed, rank): runs repeat
@@ -195,7 +193,8 @@ def main():
                                                   scaler, cfg, meta)
 
     # -------------------------------------------------------------------------- 7. training loop
-    loss_of = loss_function(cfg, task, use_compile)
+    loss_of = loss_function(use_compile)
+    loss_of = masked_lm_loss(loss_of, cfg, reader)  # MLM: one graph for every length
     use_compile = compile_fp8_blocks(raw_model, cfg, use_compile)  # fp8
     model, parallel = gradient_sync(raw_model, use_compile)  # sharded in section 4
     # dcp.async_save writes in a thread of its own and needs a process group with a CPU backend
@@ -242,10 +241,10 @@ def main():
         setup.metrics.close()
     stop_exporters(setup.exporters)  # metrics
     if cfg.export:  # every rank sends its shards; rank 0 alone holds the whole model, in CPU memory
-        full_model = gather_full_model(raw_model, cfg, task, meta)
+        full_model = gather_full_model(raw_model, reader)
     if rank == 0 and cfg.export:
-        export_final(full_model, data_dir, meta, Path(cfg.out_dir) / "final", task, cfg,
-                     torch.device("cpu"))
+        reader.export(full_model, data_dir, meta, Path(cfg.out_dir) / "final", cfg,
+                      torch.device("cpu"))
     dist.barrier()  # ranks leave together: one that leaves during rank 0's export can abort at exit
 
 
@@ -309,7 +308,7 @@ def step_verdict(grad_norm, setup, run):
 
 # ----------------------------------------------------------------------------- the parallelism
 
-def shard_model(cfg, task, meta, device, use_compile, param_dtype):
+def shard_model(cfg, reader, meta, device, use_compile, param_dtype):
     """The model, sharded: fully_shard on each transformer block, then on the root (the embeddings,
     the final norm, the output layer). Rank 0 alone builds the whole model, in CPU memory (new
     weights from the seed, or the pretrained ones); every rank builds it again on the meta device
@@ -319,20 +318,21 @@ def shard_model(cfg, task, meta, device, use_compile, param_dtype):
     FSDP's per-block gathers and DTensor dispatch would only add host time. Its DCP checkpoints
     resume on any number of ranks, and sharded ones on it."""
     if dist.get_world_size() == 1 and not cfg.fsdp.cpu_offload:
-        model, attention = build_model(cfg, task, meta, device)
+        model, attention = build_model(cfg, reader, meta, device)
         train_in_fp8(model, cfg, device, use_compile, sharded=False)  # fp8
         if cfg.fsdp.activation_checkpointing:
             model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False})
         log0("one rank: the model is trained whole, not sharded (checkpoints are DCP's, as on N)")
         return model.to(device), attention
-    source = on_rank0(lambda: build_model(cfg, task, meta, torch.device("cpu"))[0],
+    source = on_rank0(lambda: build_model(cfg, reader, meta, torch.device("cpu"))[0],
                       share_result=False)
-    config, model_class = built_config(cfg, task, meta), model_class_of(task)
-    attention = choose_attention(cfg.model.attention, device, task,
-                                 model_class._model_mapping.get(type(config), None))
+    config = on_rank0(lambda: source.config)  # rank 0's: with the vocabulary build_model gave it
+    attention = choose_attention(cfg.model.attention, device, reader.sdpa,
+                                 reader.model_class._model_mapping.get(type(config), None))
     with torch.device("meta"):
-        model = model_class.from_config(config, attn_implementation=attention, dtype=torch.float32)
+        model = reader.model_class.from_config(config, attn_implementation=attention,
+                                               dtype=torch.float32)
     train_in_fp8(model, cfg, device, use_compile, sharded=True)  # fp8
     if cfg.fsdp.activation_checkpointing:  # before compile and sharding, as torchtitan orders them
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -396,25 +396,17 @@ def local(tensor, whole=False):
     return tensor.full_tensor() if whole else tensor.to_local()
 
 
-def built_config(cfg, task, meta):
-    """The config of build_model's model: with the vocabulary it resizes a smaller one to."""
-    config = model_config(cfg, task, meta)
-    if task != "image":
-        config.vocab_size = max(config.vocab_size, padded_vocab(meta))
-    return config
-
-
-def gather_full_model(raw_model, cfg, task, meta):
+def gather_full_model(raw_model, reader):
     """The whole trained model on rank 0, in CPU memory (None on the other ranks): every rank sends
     its shards one tensor at a time, so no rank holds the full model on its GPU."""
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     full_state = get_model_state_dict(raw_model, options=options)
     if dist.get_rank() != 0:
         return None
-    config, model_class = built_config(cfg, task, meta), model_class_of(task)
+    config = raw_model.config  # shard_model's: with the vocabulary build_model gave it
     with torch.device("meta"):
-        full_model = model_class.from_config(config, attn_implementation=raw_model.config
-                                             ._attn_implementation, dtype=torch.float32)
+        full_model = reader.model_class.from_config(
+            config, attn_implementation=config._attn_implementation, dtype=torch.float32)
     full_model.load_state_dict(full_state, assign=True)
     full_model.tie_weights()  # assign=True gives a tied output layer a tensor of its own
     for name, buffer in raw_model.named_buffers():  # non-persistent buffers are in no state dict
@@ -428,10 +420,9 @@ def gather_full_model(raw_model, cfg, task, meta):
 CHECKPOINT_FILES = [".metadata", "train_state.pt", "checksums.json"]  # DCP writes .metadata last
 # keys a resumed run must share with its checkpoint (they shape the model), and the value a
 # checkpoint written before the key existed had
-MODEL_KEYS = {"model.type": None, "model.task": None, "model.n_layer": None, "model.n_head": None,
+MODEL_KEYS = {"model.type": None, "model.n_layer": None, "model.n_head": None,
               "model.n_embd": None, "model.pretrained": None, "model.intermediate_size": 0,
-              "model.tie_word_embeddings": "auto", "model.embedding_gpu_rows": 0,
-              "model.patch_size": 0}
+              "model.tie_word_embeddings": "auto", "model.embedding_gpu_rows": 0}
 LOAD_ERRORS = (OSError, RuntimeError, KeyError, ValueError, EOFError, TypeError,
                pickle.UnpicklingError)
 
@@ -448,7 +439,8 @@ def train_state(setup, run, scheduler, scaler):
             "tokens_seen": run.tokens_seen, "config": config_dict(setup.cfg),
             "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
             "data_fingerprint": setup.meta.get("fingerprint"), "world_size": dist.get_world_size(),
-            "vocab_size": setup.meta.get("vocab_size"), "classes": setup.meta.get("classes")}
+            "classes": setup.meta.get("classes"),  # images
+            "vocab_size": setup.meta.get("vocab_size")}
 
 
 def save_checkpoint(setup, run, optimizer, scheduler, scaler, async_group, wait=True):
@@ -824,7 +816,6 @@ def restore_rng(saved_states, rank, seed, step):
 # ---------------------------------------------------------- the other sections' helpers: 1. config
 
 CHOICES = {
-    "model.task": ["auto", "causal", "mlm"],
     "model.attention": ["auto", "flash_attention_2", "sdpa", "eager"],
     "model.tie_word_embeddings": ["auto", "true", "false"],
     "train.precision": ["auto", "bf16", "fp16", "fp32", "fp8"],
@@ -836,15 +827,13 @@ CHOICES = {
 RANGES = {
     **dict.fromkeys(["model.n_layer", "model.n_head", "model.n_embd", "train.global_batch_size",
                      "train.micro_batch_size", "train.max_steps", "train.eval_every", "log.every",
-                     "train.eval_batches", "train.max_bad_steps", "checkpoint.keep"], (1, None)),
+                     "train.eval_batches", "train.max_bad_steps", "checkpoint.keep",
+                     "train.seq_len"], (1, None)),
     **dict.fromkeys(["optim.min_lr", "optim.warmup_steps", "optim.weight_decay", "log.peak_tflops",
                      "model.intermediate_size", "model.embedding_gpu_rows", "optim.grad_clip",
-                     "train.pad_to_multiple", "checkpoint.every", "log.sample_tokens",
-                     "model.patch_size", "train.crop_padding"], (0, None)),
+                     "checkpoint.every", "log.sample_tokens"], (0, None)),
     **dict.fromkeys(["model.dropout", "optim.beta1", "optim.beta2"], (0, "below 1")),
     **dict.fromkeys(["optim.lr", "optim.eps", "dist.timeout_s"], ("above 0", None)),
-    "train.seq_len": (3, None),  # a masked-LM sample is [CLS] token [SEP]
-    "train.mlm_probability": ("above 0", "below 1"),
     "log.prometheus_port": (0, 65535),
 }
 
@@ -893,11 +882,10 @@ PREPROCESS_KEYS = {"data.vocab_size": "--vocab-size", "data.val_fraction": "--va
 def load_config(args, use_cuda):
     """DEFAULTS, then config.yaml beside this file (or the .yaml given first), then key=value
     arguments (of a key given twice, the last); each value must have the type of its default. A
-    preset (no GPU; or a ViT on the digits) sets only keys that the file and the arguments left at
+    preset (no GPU; or an optional part's) sets only keys that the file and the arguments left at
     their defaults, and says which."""
     defaults = flatten(DEFAULTS)
-    flat, preset = dict(defaults), dict(CPU_PRESET)
-    image_presets = [dict(CPU_PRESET_IMAGES), dict(GPU_PRESET_DIGITS)]  # images
+    flat, presets = dict(defaults), dict(PRESETS)
     config_path = Path(__file__).with_name("config.yaml")
     if args and args[0].endswith((".yaml", ".yml")):
         config_path, args = Path(args[0]), args[1:]
@@ -905,9 +893,8 @@ def load_config(args, use_cuda):
             die(f"config file {config_path} not found -> give the path of a config.yaml")
     if config_path.is_file():
         tree = read_yaml(config_path)
-        preset = preset_section(tree, "cpu_preset", preset, config_path)
-        image_presets = [preset_section(tree, *named, config_path) for named in  # images
-                         zip(["cpu_preset_images", "gpu_preset_digits"], image_presets)]  # images
+        presets = {name: preset_section(tree, name, built_in, config_path)
+                   for name, built_in in presets.items()}
         for key, value in flatten(tree).items():
             if not (value is None and isinstance(DEFAULTS.get(key), dict)):  # an empty section
                 flat[key] = typed(flat, key, value, " in the config file")
@@ -917,17 +904,6 @@ def load_config(args, use_cuda):
         if not sep:
             die(f"argument '{arg}' is not key=value -> write it like train.max_steps=100")
         given[key] = text
-    preset_name, preset = ("cpu_preset", preset) if not use_cuda else ("", {})
-    preset_name, preset = vit_preset(given, flat, preset_name, preset, image_presets,  # images
-                                     use_cuda)  # images
-    applied = {}
-    for key, value in flatten(preset).items():
-        value = typed(flat, key, value, f" in {preset_name}")
-        if flat[key] == defaults[key] and key not in given:  # the file and arguments win
-            flat[key] = applied[key] = value
-    if applied:
-        log0(f"preset {preset_name}: {', '.join(f'{k}={v}' for k, v in applied.items())} (keys "
-             "left at their defaults; give one to override it)")
     for key, text in given.items():
         if key in PREPROCESS_KEYS:
             log0(f"note: {key} is preprocess.py's ({PREPROCESS_KEYS[key]}): the trainer reads "
@@ -936,6 +912,16 @@ def load_config(args, use_cuda):
             with contextlib.suppress(yaml.YAMLError):
                 text = yaml.load(text, Loader=ConfigLoader)
         flat[key] = typed(flat, key, text, "")
+    preset_name, preset = ("cpu_preset", presets["cpu_preset"]) if not use_cuda else ("", {})
+    preset_name, preset = image_preset(flat, preset_name, preset, presets, use_cuda)  # images
+    applied = {}
+    for key, value in flatten(preset).items():
+        value = typed(flat, key, value, f" in {preset_name}")
+        if flat[key] == defaults[key] and key not in given:  # the file and arguments win
+            flat[key] = applied[key] = value
+    if applied:
+        log0(f"preset {preset_name}: {', '.join(f'{k}={v}' for k, v in applied.items())} (keys "
+             "left at their defaults; give one to override it)")
     tree = {}
     for key, value in flat.items():
         *sections, name = key.split(".")
@@ -1026,7 +1012,6 @@ def check_config(cfg, world_size):
     if cfg.optim.min_lr > cfg.optim.lr:
         die(f"optim.min_lr={cfg.optim.min_lr} is above optim.lr={cfg.optim.lr} -> the decay ends "
             "at min_lr: lower it")
-    cfg.data.dir = default_image_dir(cfg)  # images
     per_round = cfg.train.micro_batch_size * world_size
     if cfg.train.global_batch_size % per_round:
         nearest = max(1, round(cfg.train.global_batch_size / per_round)) * per_round
@@ -1150,10 +1135,9 @@ def prepare_command(data_dir):
     return f"python preprocess.py{source} --out {data_dir}"
 
 
-def read_meta(data_dir, cfg=None):
-    """data_dir/meta.json, checked; cfg (the model) says which command would prepare the data."""
-    prepare = prepare_command(data_dir)
-    prepare = prepare_images_command(data_dir) if cfg and is_image_model(cfg) else prepare  # images
+def read_meta(data_dir, reader):
+    """data_dir/meta.json, checked, of the kind the reader reads (the reader checks the rest)."""
+    prepare = reader.prepare_command(data_dir)
     path, rebuild = data_dir / "meta.json", f"{prepare} --force"
     if not path.is_file():
         die(f"no prepared data in {data_dir} (meta.json missing) -> run: {prepare}")
@@ -1164,34 +1148,41 @@ def read_meta(data_dir, cfg=None):
     if not isinstance(meta, dict) or meta.get("format_version") != 1:
         version = meta.get("format_version") if isinstance(meta, dict) else None
         die(f"{path} has format version {version}, this trainer reads 1 -> rebuild it: {rebuild}")
-    splits, special = meta.get("splits"), meta.get("special_tokens")
+    splits = meta.get("splits")
     if not (isinstance(splits, dict) and all(isinstance(splits.get(s), dict) and
                                              isinstance(splits[s].get("files"), list)
                                              for s in ("train", "val"))):
         die(f"{path} lacks splits.train/val.files -> rebuild it: {rebuild}")
-    if meta.get("kind") == "images":  # images
-        return check_image_meta(meta, path)  # images
-    if not (isinstance(meta.get("vocab_size"), int) and isinstance(special, dict)
-            and all(isinstance(special.get(role), int)
-                    for role in ("eot", "pad", "mask", "cls", "sep"))):
-        die(f"{path} lacks splits.train/val.files, vocab_size or special_tokens (eot, pad, mask, "
-            f"cls, sep) -> rebuild it: {rebuild}")
+    if meta.get("kind", "text") != reader.kind:
+        die(f"{data_dir} holds {meta.get('kind', 'text')}, the model reads {reader.kind} -> "
+            f"prepare {reader.kind}: {reader.prepare_command(Path('DIR'))}, and pass data.dir=DIR")
     return meta
 
 
 class ArrowTokens:
     """The samples of one split, read straight from memory-mapped Arrow files: the tokens are never
-    copied into memory as a whole (the epoch's permutation holds 8 bytes per sample, though). Causal
-    LM: every row ends with end-of-text, so the flat values are the concatenated token stream, and
-    sample i is the block stream[i*L : i*L + L + 1] (inputs and shifted labels). Masked LM: sample i
-    is document i, truncated to L - 2 and framed as [CLS] doc [SEP]."""
+    copied into memory as a whole (the epoch's permutation holds 8 bytes per sample, though). Every
+    row ends with end-of-text, so the flat values are the concatenated token stream, and sample i
+    is the block stream[i*L : i*L + L + 1] (inputs and shifted labels). The reader stands for its
+    task, a causal LM: its model, micro-batches, label count, FLOPs, export; other readers alike."""
+    task, kind, unit, model_class = "causal", "text", "tokens", AutoModelForCausalLM
+    sdpa = "sdpa_causal"  # ours, without a mask: causal batches are never padded (choose_attention)
+    prepare_command = staticmethod(prepare_command)
+    model_config = staticmethod(lambda cfg, meta: text_config(cfg, meta))  # section 4's
+    export = staticmethod(lambda *args: export_final(*args))  # section 7's, found when called
 
-    def __init__(self, data_dir, meta, split, task, seq_len):
-        self.task, self.seq_len, self.vocab_size = task, seq_len, meta["vocab_size"]
-        self.special = meta["special_tokens"]
+    def __init__(self, data_dir, meta, split, seq_len):
+        special = meta.get("special_tokens")
+        rebuild = f"-> rebuild: {prepare_command(data_dir)} --force"
+        if not (isinstance(meta.get("vocab_size"), int) and isinstance(special, dict)
+                and all(isinstance(special.get(role), int)
+                        for role in ("eot", "pad", "mask", "cls", "sep"))):
+            die(f"{data_dir / 'meta.json'} lacks vocab_size or special_tokens (eot, pad, mask, "
+                f"cls, sep) {rebuild}")
+        self.seq_len, self.vocab_size = seq_len, meta["vocab_size"]
         self.summary = f"{meta['splits'][split].get('tokens', 0):,} {split} tokens"
-        self.pieces, self.piece_starts, self.doc_offsets = [], [], []
-        rebuild, stream_length = f"-> rebuild: {prepare_command(data_dir)} --force", 0
+        self.chunks, self.pieces, self.piece_starts = [], [], []  # a chunk's row: a document
+        stream_length = 0
         for name in meta["splits"][split]["files"]:
             try:
                 table = pa.ipc.open_file(pa.memory_map(str(data_dir / name))).read_all()
@@ -1204,19 +1195,19 @@ class ArrowTokens:
                 if largest is not None and largest >= self.vocab_size:
                     die(f"{data_dir / name} holds token id {largest}, but the vocabulary has "
                         f"{self.vocab_size} tokens {rebuild}")
+                self.chunks.append(chunk)
                 self.pieces.append(chunk.values.to_numpy(zero_copy_only=True))
-                self.doc_offsets.append(chunk.offsets.to_numpy())
                 self.piece_starts.append(stream_length)
                 stream_length += len(self.pieces[-1])
-        self.doc_starts = np.cumsum([0] + [len(offsets) - 1 for offsets in self.doc_offsets])
-        self.num_samples = max(0, stream_length - 1) // seq_len
-        if task == "mlm":  # MLM
-            self.num_samples = int(self.doc_starts[-1])  # MLM
+        self.num_samples = self.count_samples(stream_length)
         if self.num_samples == 0:  # the trainer's data.val_fraction would not change the data
             more = (f"rebuild it with a larger --val-fraction F: {prepare_command(data_dir)} "
                     "--val-fraction F --force") if split == "val" else "prepare more text"
-            die(f"the {split} split of {data_dir} has no {task} samples of seq_len {seq_len} -> "
-                f"lower train.seq_len, or {more}")
+            die(f"the {split} split of {data_dir} has no {self.task} samples of seq_len {seq_len} "
+                f"-> lower train.seq_len, or {more}")
+
+    def count_samples(self, stream_length):
+        return max(0, stream_length - 1) // self.seq_len
 
     def __len__(self):
         return self.num_samples
@@ -1237,26 +1228,37 @@ class ArrowTokens:
 
     def length(self, index):
         """The input tokens of sample `index`, without reading its tokens."""
-        if self.task == "mlm":  # MLM
-            offsets, row = self.document(index)  # MLM
-            return min(int(offsets[row + 1] - offsets[row]) - 1, self.seq_len - 2) + 2  # MLM
         return self.seq_len
 
     def sample(self, index):
-        if self.task == "mlm":  # MLM
-            offsets, row = self.document(index)  # MLM
-            begin = offsets[row]  # MLM
-            end = min(offsets[row + 1] - 1, begin + self.seq_len - 2)  # MLM: without end-of-text
-            doc = self.pieces[self.doc_piece(index)][begin:end]  # MLM
-            return np.concatenate([[self.special["cls"]], doc, [self.special["sep"]]])  # MLM
         return self.span(index * self.seq_len, self.seq_len + 1)
 
-    def doc_piece(self, index):  # MLM
-        return int(np.searchsorted(self.doc_starts, index, side="right")) - 1  # MLM
+    def plan(self, position, seed, cfg, world_size):
+        sample_ids, epochs = global_batch(position, cfg.train.global_batch_size, len(self), seed)
+        return deal(sample_ids, epochs, cfg.train.micro_batch_size, world_size)
 
-    def document(self, index):  # MLM
-        piece = self.doc_piece(index)  # MLM
-        return self.doc_offsets[piece], index - self.doc_starts[piece]  # MLM
+    def micro_batch(self, sample_ids, epochs, cfg, device):
+        blocks = torch.from_numpy(np.stack([self.sample(int(i)) for i in sample_ids]))
+        return on_device({"input_ids": blocks[:, :-1], "labels": blocks[:, 1:],
+                          "attention_mask": None}, device)
+
+    def label_count(self, plan, lengths, cfg):  # the global batch's labels, alike on every rank
+        return cfg.train.global_batch_size * self.seq_len  # every position
+
+    def validation_batches(self, cfg):
+        return cfg.train.eval_batches
+
+    @staticmethod
+    def adapt_pretrained(model, cfg, meta):  # the embedding grows to the data's larger vocabulary
+        if model.get_input_embeddings().num_embeddings < padded_vocab(meta):
+            model.resize_token_embeddings(padded_vocab(meta))
+
+    @staticmethod
+    def flops_counter(raw_model, attention, cfg):
+        """model_flops_counter's: a causal query sees the keys up to itself, half of its block."""
+        length = cfg.train.seq_len
+        return model_flops_counter(raw_model, lambda lengths: (len(lengths) * length,
+                                                               len(lengths) * length * length / 2))
 
 
 _permutation_cache = {}
@@ -1271,44 +1273,21 @@ def epoch_permutation(seed, epoch, num_samples):
     return _permutation_cache[key]
 
 
-def global_batch_plan(position, global_batch_size, num_samples, seed, micro_batch_size, world_size,
-                      length_of=None):
-    """Split the global batch that starts at `position` (samples consumed so far, over all epochs)
-    into micro-batches: plan[rank] = [(sample_ids, epochs), ...] in accumulation order. The position
-    counts global samples, so a run resumed on another number of ranks goes on with exactly the
-    samples the old run would have seen. seed=None reads samples in order (validation). With
-    length_of (masked LM) the batch is sorted by length before it is cut, so each micro-batch pads
-    little; micro-batches are dealt round-robin, so every rank gets short and long ones."""
+def global_batch(position, global_batch_size, num_samples, seed):
+    """The sample ids and epochs of the global batch at `position`: the samples consumed so far over
+    all ranks and epochs, so a run resumed on another number of ranks goes on with exactly the
+    samples the old run would have seen. seed=None reads samples in order (validation)."""
     epochs, indices = np.divmod(np.arange(position, position + global_batch_size), num_samples)
     sample_ids = indices if seed is None else np.array(
         [epoch_permutation(seed, e, num_samples)[i] for e, i in zip(epochs, indices)])
-    if length_of is not None:  # MLM
-        order = sorted(range(global_batch_size), key=lambda k: (length_of(sample_ids[k]), k))  # MLM
-        sample_ids, epochs = sample_ids[order], epochs[order]  # MLM
-    plan = [[] for _ in range(world_size)]
-    for micro_index in range(global_batch_size // micro_batch_size):
-        chosen = slice(micro_index * micro_batch_size, (micro_index + 1) * micro_batch_size)
-        plan[micro_index % world_size].append((sample_ids[chosen], epochs[chosen]))
-    return plan
+    return sample_ids, epochs
 
 
-def sample_uniforms(seed, epochs, sample_ids, positions, use):
-    """A float in [0, 1) per (epoch, sample, position), broadcast against each other, for one use
-    (MLM: 0 masked?, 1 replaced by what, 2 which random token; images: 3 crop and flip): a hash of
-    (seed, epoch, sample, position, use) alone, so a sample's draw does not depend on which rank or
-    micro-batch holds it, and a micro-batch is drawn in a few vectorised operations (splitmix64)."""
-    shape = np.broadcast_shapes(np.shape(epochs), np.shape(sample_ids), np.shape(positions))
-    mixed = np.full(shape, seed, dtype=np.uint64)
-    for part in (epochs, sample_ids, np.asarray(positions) * 4 + use):
-        mixed = splitmix64(mixed ^ np.asarray(part, dtype=np.uint64))
-    return (splitmix64(mixed) >> np.uint64(11)).astype(np.float64) * 2.0**-53  # the top 53 bits
-
-
-def splitmix64(values):
-    values = values + np.uint64(0x9E3779B97F4A7C15)  # numpy's uint64 arithmetic wraps, as wanted
-    values = (values ^ (values >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    values = (values ^ (values >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return values ^ (values >> np.uint64(31))
+def deal(sample_ids, epochs, micro_batch_size, world_size):
+    """Dealt round-robin: plan[rank] = [(sample_ids, epochs), ...] in accumulation order."""
+    micro_batches = [(sample_ids[k:k + micro_batch_size], epochs[k:k + micro_batch_size])
+                     for k in range(0, len(sample_ids), micro_batch_size)]
+    return [micro_batches[rank::world_size] for rank in range(world_size)]
 
 
 def step_batches(setup, position):
@@ -1322,41 +1301,20 @@ def rank_batches(split_data, position, shuffle_seed, cfg, world_size, rank, devi
     """This rank's micro-batches of the global batch at sample `position`, and the input and label
     token counts of the whole global batch and each micro-batch's sample lengths (for its FLOPs):
     every rank computes these alike from the shared plan."""
-    is_mlm = split_data.task == "mlm"
-    plan = global_batch_plan(position, cfg.train.global_batch_size, len(split_data), shuffle_seed,
-                             cfg.train.micro_batch_size, world_size,
-                             split_data.length if is_mlm else None)
+    plan = split_data.plan(position, shuffle_seed, cfg, world_size)
     lengths = [[split_data.length(int(i)) for i in ids]
                for rank_plan in plan for ids, _ in rank_plan]
-    label_tokens = cfg.train.global_batch_size * split_data.seq_len  # causal: every position
-    if is_mlm:  # MLM: the masked positions, drawn exactly as make_micro_batch will draw them
-        pairs = [pair for rank_plan in plan for pair in rank_plan]  # MLM
-        ids, epochs = (np.concatenate([pair[k] for pair in pairs]) for k in (0, 1))  # MLM
-        masked = masked_positions(cfg.train.seed, epochs, ids, np.concatenate(lengths),  # MLM
-                                  split_data.seq_len, cfg.train.mlm_probability)  # MLM
-        label_tokens = int(masked.sum())  # MLM
-    training = shuffle_seed is not None  # validation reads in order, without augmentation
-    micro_batches = [make_micro_batch(split_data, ids, epochs, cfg, device, training)
-                     for ids, epochs in plan[rank]]
+    micro_batches = [split_data.micro_batch(ids, epochs, cfg, device) for ids, epochs in plan[rank]]
+    label_tokens = split_data.label_count(plan, lengths, cfg)
     return micro_batches, sum(map(sum, lengths)), label_tokens, lengths
 
 
-def make_micro_batch(split_data, sample_ids, epochs, cfg, device, training=True):
+def on_device(batch, device):
     """A micro-batch on the device: the model's inputs and labels, and the input ids on the host."""
-    if split_data.task == "image":  # images
-        return image_micro_batch(split_data, sample_ids, epochs, cfg, device, training)  # images
-    samples = [split_data.sample(int(i)) for i in sample_ids]
-    if split_data.task == "causal":
-        blocks = torch.from_numpy(np.stack(samples))
-        batch = {"input_ids": blocks[:, :-1], "labels": blocks[:, 1:], "attention_mask": None}
-    if split_data.task == "mlm":  # MLM
-        batch = mask_micro_batch(split_data, samples, sample_ids, epochs, cfg)  # MLM
     host_input_ids = batch["input_ids"]  # kept on the host: what it holds is known without a wait
     if device.type == "cuda":  # a copy from pageable memory makes the host wait; from pinned not
         batch = {key: None if value is None else value.pin_memory().to(device, non_blocking=True)
                  for key, value in batch.items()}
-    if split_data.task == "mlm" and 0 < cfg.train.pad_to_multiple < split_data.seq_len:  # MLM
-        batch = {key: dynamic_length(value) for key, value in batch.items()}  # MLM
     labels = batch.pop("labels")
     return {"inputs": batch, "labels": labels, "host_input_ids": host_input_ids}
 
@@ -1367,363 +1325,10 @@ def token_loss_sum(logits, labels):
                            ignore_index=IGNORE_INDEX, reduction="sum")
 
 
-def loss_function(cfg, task, use_compile):
+def loss_function(use_compile):
     """token_loss_sum, compiled on its own: the fp32 upcast, log-softmax and gather fuse."""
     loss_of = torch.compile(token_loss_sum) if use_compile else token_loss_sum
-    if task == "mlm" and 0 < cfg.train.pad_to_multiple < cfg.train.seq_len:  # MLM: one graph for
-        return lambda logits, labels: loss_of(dynamic_length(logits), labels)  # MLM: every length
     return loss_of
-
-
-# ============================================================================== MLM: begin
-# Masked-LM models (BERT, RoBERTa, ...). Delete this block and the lines tagged # MLM for a trainer
-# of causal language models only.
-
-def mask_micro_batch(split_data, samples, sample_ids, epochs, cfg):
-    """A masked-LM micro-batch: padded to seq_len (train.pad_to_multiple=0), or to its longest
-    sample rounded up to a multiple of it, with BERT's masking."""
-    lengths = np.array([len(sample) for sample in samples])
-    length = padded_length(lengths.max(), cfg.train.pad_to_multiple, split_data.seq_len)
-    tokens = np.full((len(samples), length), split_data.special["pad"], dtype=np.int64)
-    for row, sample in enumerate(samples):
-        tokens[row, :len(sample)] = sample
-    inputs, labels = mask_tokens(tokens, lengths, cfg.train.seed,
-                                 np.asarray(epochs, dtype=np.int64),
-                                 np.asarray(sample_ids, dtype=np.int64), split_data.special,
-                                 split_data.vocab_size, cfg.train.mlm_probability)
-    attention_mask = (np.arange(length) < lengths[:, None]).astype(np.int64)
-    return {"input_ids": torch.from_numpy(inputs), "labels": torch.from_numpy(labels),
-            "attention_mask": torch.from_numpy(attention_mask)}
-
-
-def dynamic_length(tensor):
-    """Mark dimension 1 (the length) dynamic, so one compiled graph serves every padded length.
-    Unmarked, Dynamo compiles the first length as a constant and again at the second. maybe_: a
-    torch that specializes the length anyway recompiles instead of failing."""
-    torch._dynamo.maybe_mark_dynamic(tensor, 1)
-    return tensor
-
-
-def padded_length(longest, pad_to_multiple, seq_len):
-    """The longest sample rounded up to a multiple of pad_to_multiple (at most seq_len; 0: it)."""
-    if pad_to_multiple == 0:
-        return seq_len
-    return min(-(-longest // pad_to_multiple) * pad_to_multiple, seq_len)
-
-
-def mask_tokens(tokens, lengths, seed, epochs, sample_ids, special, vocab_size, probability):
-    """BERT's masking of a padded micro-batch (a row of token ids per sample): inputs and labels."""
-    chosen = masked_positions(seed, epochs, sample_ids, lengths, tokens.shape[1], probability)
-    positions = np.arange(tokens.shape[1])
-    uniforms = [sample_uniforms(seed, epochs[:, None], sample_ids[:, None], positions, use)
-                for use in (1, 2)]
-    inputs = np.where(chosen & (uniforms[0] < 0.8), special["mask"], tokens)  # 80% [MASK]
-    replaced = chosen & (uniforms[0] >= 0.8) & (uniforms[0] < 0.9)  # 10% a random token, 10% kept
-    inputs[replaced] = (uniforms[1][replaced] * vocab_size).astype(np.int64)
-    return inputs, np.where(chosen, tokens, IGNORE_INDEX)
-
-
-def masked_positions(seed, epochs, sample_ids, lengths, width, probability):
-    """Which positions BERT predicts, a row per sample: never [CLS] (position 0), [SEP] (length - 1)
-    or the padding after it; each other position with `probability`."""
-    positions = np.arange(width)
-    candidates = (positions >= 1) & (positions <= lengths[:, None] - 2)
-    uniforms = sample_uniforms(seed, epochs[:, None], sample_ids[:, None], positions, 0)
-    return candidates & (uniforms < probability)
-
-
-def is_masked_lm_type(cfg):
-    model_type = load_pretrained_config(cfg.model.pretrained).model_type if cfg.model.pretrained \
-        else cfg.model.type
-    return model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES
-# ============================================================================== MLM: end
-
-
-# ============================================================================== images: begin
-# Image classification with ViT: data from `preprocess.py --images`. Delete this block and the lines
-# tagged # images for a trainer of language models only.
-
-# Without a CUDA GPU and for model.type=vit, these replace CPU_PRESET's values: a small ViT from
-# scratch needs more steps and no random crops to reach 90% on the digits within minutes.
-CPU_PRESET_IMAGES = {"train.max_steps": 1000, "train.eval_every": 250, "train.crop_padding": 0,
-                     "optim.lr": 3e-3, "optim.min_lr": 3e-4, "optim.warmup_steps": 50,
-                     "checkpoint.every": 250}
-DIGITS_DIR = "data/digits"  # where an image model's default data, the digits, is prepared
-# With a CUDA GPU, model.type=vit and data.dir at its default (the digits), these replace the
-# defaults: the same small ViT, not compiled (compiling it takes longer than its 1,000 steps).
-GPU_PRESET_DIGITS = {"model.n_layer": 2, "model.n_head": 4, "model.n_embd": 128,
-                     "train.global_batch_size": 32, "train.micro_batch_size": 32,
-                     "train.max_steps": 1000, "train.eval_every": 500, "train.crop_padding": 0,
-                     "train.compile": "false", "optim.lr": 3e-3, "optim.min_lr": 3e-4,
-                     "optim.warmup_steps": 50, "checkpoint.every": 500}
-
-
-def vit_preset(given, flat, name, preset, image_presets, use_cuda):
-    """The preset where model.type=vit (from the arguments or the file), and its name: without a
-    GPU the CPU preset and its images part; with one and the digits (data.dir at its default, or
-    data/digits), the GPU's."""
-    if given.get("model.type", flat["model.type"]) != "vit":
-        return name, preset
-    cpu_images, gpu_digits = image_presets
-    if not use_cuda:
-        return "cpu_preset + cpu_preset_images", {**preset, **cpu_images}
-    if given.get("data.dir", flat["data.dir"]) in (DEFAULTS["data"]["dir"], DIGITS_DIR):
-        return "gpu_preset_digits", dict(gpu_digits)
-    return name, preset
-
-
-def prepare_images_command(data_dir):
-    """The command that prepares images into data_dir: the digits, or the user's images."""
-    source = "" if str(data_dir) == DIGITS_DIR else " YOUR_IMAGES"
-    return f"python preprocess.py --images{source} --out {data_dir}"
-
-
-def is_image_model(cfg):
-    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES
-    model_type = load_pretrained_config(cfg.model.pretrained).model_type if cfg.model.pretrained \
-        else cfg.model.type
-    return model_type in MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES
-
-
-def default_image_dir(cfg):
-    """An image model with data.dir at its default reads the offline default images: the digits."""
-    return DIGITS_DIR if cfg.data.dir == DEFAULTS["data"]["dir"] and is_image_model(cfg) \
-        else cfg.data.dir
-
-
-def image_task(cfg, meta, task, reader):
-    """("image", ArrowImages) for a ViT on images, the text task and reader for a text model on
-    text; else, and for the knobs that do not apply to images, a one-line error with the reason."""
-    images, image_model = meta.get("kind") == "images", is_image_model(cfg)
-    model_type = load_pretrained_config(cfg.model.pretrained).model_type if cfg.model.pretrained \
-        else cfg.model.type
-    if image_model and not images:
-        die(f"model.type={model_type} classifies images, {cfg.data.dir} holds text -> prepare "
-            "images: python preprocess.py --images [FOLDER] --out DIR, and pass data.dir=DIR")
-    if images and not image_model:
-        die(f"{cfg.data.dir} holds images, model.type={model_type} is a text model -> use "
-            "model.type=vit, or a data.dir of text")
-    if not images:
-        return task, reader
-    if model_type != "vit":
-        die(f"model.type={model_type}: the image path trains ViT models -> use model.type=vit")
-    values, defaults = config_dict(cfg), flatten(DEFAULTS)
-    for key, reason in [("model.task", "an image model classifies"),
-                        ("model.embedding_gpu_rows", "a ViT has no token embedding"),
-                        ("model.tie_word_embeddings", "a ViT has no token embedding"),
-                        ("train.mlm_probability", "a masked-LM setting"),
-                        ("train.pad_to_multiple", "a masked-LM setting")]:
-        if values[key] != defaults[key]:
-            die(f"{key}={values[key]} does not apply to images ({reason}) -> leave it at "
-                f"{defaults[key]}")
-    return "image", ArrowImages
-
-
-def check_image_meta(meta, path):
-    size, classes = meta.get("image_size"), meta.get("classes")
-    statistics = all(isinstance(meta.get(key), list) and len(meta[key]) == 3
-                     for key in ("mean", "std"))
-    if not (isinstance(size, int) and size > 0 and isinstance(classes, list) and len(classes) > 1
-            and meta.get("channels") == 3 and statistics):
-        die(f"{path} lacks image_size, classes (two or more), channels=3, mean or std -> rebuild "
-            f"it: {prepare_images_command(path.parent)} --force")
-    return meta
-
-
-class ArrowImages:
-    """The images of one split, memory-mapped from Arrow files: sample i is image i (uint8 pixels,
-    height x width x RGB) and its label. One image is one sample, of "length" 1: the text path's
-    counts of tokens count images here."""
-    task, seq_len = "image", 1
-
-    def __init__(self, data_dir, meta, split, task, seq_len):
-        self.size, self.classes = meta["image_size"], list(meta["classes"])
-        self.mean, self.std, self.on_device = meta["mean"], meta["std"], {}
-        self.summary = f"{len(self.classes)} classes, {self.size}x{self.size} pixels"
-        rebuild = f"-> rebuild: {prepare_images_command(data_dir)} --force"
-        row_bytes, pieces, labels = self.size * self.size * 3, [], []
-        for name in meta["splits"][split]["files"]:
-            try:
-                table = pa.ipc.open_file(pa.memory_map(str(data_dir / name))).read_all()
-            except (OSError, pa.ArrowInvalid) as error:
-                die(f"cannot read {data_dir / name} ({error}) {rebuild}")
-            if not {"pixels", "label"} <= set(table.column_names) or table.schema.field(
-                    "pixels").type != pa.binary(row_bytes):
-                die(f"{data_dir / name} has no pixels column of {self.size}x{self.size} RGB "
-                    f"images {rebuild}")
-            for chunk in (chunk for chunk in table.column("pixels").chunks if len(chunk)):
-                if chunk.null_count:
-                    die(f"{data_dir / name} has images without pixels {rebuild}")
-                flat = np.frombuffer(chunk.buffers()[1], dtype=np.uint8)  # no copy
-                pieces.append(flat[chunk.offset * row_bytes:][:len(chunk) * row_bytes].reshape(
-                    len(chunk), self.size, self.size, 3))
-            labels.append(table.column("label").to_numpy().astype(np.int64))
-        self.labels = np.concatenate(labels) if labels else np.zeros(0, dtype=np.int64)
-        if len(self.labels) and not 0 <= self.labels.min() <= self.labels.max() < len(self.classes):
-            die(f"the {split} split of {data_dir} has labels outside 0..{len(self.classes) - 1} "
-                f"{rebuild}")
-        self.pieces, self.piece_starts = pieces, np.cumsum([0] + [len(p) for p in pieces])
-        if len(self.labels) == 0:
-            more = (f"rebuild it with a larger --val-fraction F: "
-                    f"{prepare_images_command(data_dir)} --val-fraction F --force") \
-                if split == "val" else "prepare more images"
-            die(f"the {split} split of {data_dir} has no images -> {more}")
-
-    def __len__(self):
-        return len(self.labels)
-
-    def length(self, index):
-        return 1
-
-    def model_summary(self, config):
-        patches = (config.image_size // config.patch_size) ** 2
-        return f"{patches} patches of {config.patch_size}x{config.patch_size}, " \
-               f"{config.num_labels} classes"
-
-    def pixels(self, sample_ids):
-        """The uint8 images of sample_ids, batch x height x width x RGB, gathered across files."""
-        pieces = np.searchsorted(self.piece_starts, sample_ids, side="right") - 1
-        out = np.empty((len(sample_ids), self.size, self.size, 3), dtype=np.uint8)
-        for piece in np.unique(pieces):
-            rows = pieces == piece
-            out[rows] = self.pieces[piece][sample_ids[rows] - self.piece_starts[piece]]
-        return out
-
-    def normalizer(self, device):
-        """255 x std and mean as (1, 3, 1, 1) tensors, made on the device once."""
-        if device not in self.on_device:
-            self.on_device[device] = [torch.tensor(values, device=device).view(1, 3, 1, 1)
-                                      for values in (self.mean, [255 * s for s in self.std])]
-        return self.on_device[device]
-
-
-def image_micro_batch(split_data, sample_ids, epochs, cfg, device, training):
-    """Images go to the device as uint8 (a quarter of float32's bytes); there they are cropped at
-    random from a zero-padded frame (train.crop_padding), flipped (train.hflip) and normalised. The
-    offsets hash (seed, epoch, sample): the same augmentation on any number of ranks. In validation,
-    samples past the split's end (epochs > 0) only pad the last batch: their labels are ignored."""
-    sample_ids = np.asarray(sample_ids, dtype=np.int64)
-    epochs = np.asarray(epochs, dtype=np.int64)
-    pixels = torch.from_numpy(split_data.pixels(sample_ids))
-    labels = torch.from_numpy(split_data.labels[sample_ids])
-    if not training:
-        labels[torch.from_numpy(epochs > 0)] = IGNORE_INDEX
-    size, pad = split_data.size, cfg.train.crop_padding if training else 0
-    uniforms = sample_uniforms(cfg.train.seed, epochs[:, None], sample_ids[:, None], [0, 1, 2], 3)
-    shifts = torch.from_numpy((uniforms[:, :2] * (2 * pad + 1)).astype(np.int64))  # 0..2 x pad
-    flips = torch.from_numpy((uniforms[:, 2] < 0.5) & (training and cfg.train.hflip))
-    if device.type == "cuda":  # from pinned memory the copies do not make the host wait
-        pixels, labels, shifts, flips = (tensor.pin_memory().to(device, non_blocking=True)
-                                         for tensor in (pixels, labels, shifts, flips))
-    images = pixels.permute(0, 3, 1, 2)  # batch x RGB x height x width, as the model reads them
-    if pad or (cfg.train.hflip and training):
-        framed = F.pad(images, (pad, pad, pad, pad))
-        steps = torch.arange(size, device=images.device)
-        rows = shifts[:, 0, None] + steps
-        cols = shifts[:, 1, None] + torch.where(flips[:, None], size - 1 - steps, steps)
-        batch_index = torch.arange(len(images), device=images.device)[:, None, None, None]
-        channels = torch.arange(3, device=images.device)[None, :, None, None]
-        images = framed[batch_index, channels, rows[:, None, :, None], cols[:, None, None, :]]
-    mean, scale = split_data.normalizer(device)
-    pixel_values = (images.float() - 255 * mean) / scale  # (x / 255 - mean) / std
-    return {"inputs": {"pixel_values": pixel_values}, "labels": labels, "host_input_ids": None}
-
-
-def image_record(record, data):
-    """A log record of the image path: images where the text path counts tokens."""
-    if data.task != "image":
-        return record
-    return {key.replace("tokens", "images"): value for key, value in record.items()}
-
-
-def vit_config(cfg, meta):
-    """A ViT of model.*'s shape for meta.json's images and classes, or model.pretrained's, with a
-    new classifier when the classes differ."""
-    size, classes = meta["image_size"], meta["classes"]
-    labels = dict(num_labels=len(classes), id2label=dict(enumerate(classes)),
-                  label2id={name: i for i, name in enumerate(classes)})
-    if cfg.model.pretrained:
-        config = load_pretrained_config(cfg.model.pretrained)
-        if config.image_size != size:
-            die(f"{cfg.model.pretrained} was trained on {config.image_size}-pixel images, "
-                f"{cfg.data.dir} holds {size}-pixel ones -> prepare them with --image-size "
-                f"{config.image_size}")
-        config.update(labels)
-        return config
-    check_heads(cfg)
-    patch = cfg.model.patch_size or min(16, size // 4)  # 16 as ViT-B/16; 4 x 4 patches at least
-    if patch == 0:
-        die(f"the images are {size} pixels, too few for 4 x 4 patches -> prepare them with "
-            "--image-size 4 or more")
-    if size % patch:
-        die(f"the images are {size} pixels, not a multiple of model.patch_size={patch} -> give a "
-            "model.patch_size that divides it")
-    return AutoConfig.for_model(
-        "vit", hidden_size=cfg.model.n_embd, num_hidden_layers=cfg.model.n_layer,
-        num_attention_heads=cfg.model.n_head, image_size=size, patch_size=patch,
-        intermediate_size=cfg.model.intermediate_size or 4 * cfg.model.n_embd, **labels)
-
-
-def keep_or_renew_classifier(model, cfg, meta):
-    """A pretrained ViT keeps its classifier for the same class names in the same order; for any
-    others it gets a new one (from_pretrained would keep one of the same shape)."""
-    pretrained = load_pretrained_config(cfg.model.pretrained)
-    names, classes = [pretrained.id2label[i] for i in range(pretrained.num_labels)], meta["classes"]
-    if names == classes:
-        log0(f"the classifier of model.pretrained is kept: the same {len(classes)} classes")
-        return
-    with torch.no_grad():  # as ViT initialises a linear layer
-        torch.nn.init.trunc_normal_(model.classifier.weight, std=model.config.initializer_range)
-        torch.nn.init.zeros_(model.classifier.bias)
-    same_count = ", other names" if len(names) == len(classes) else ""
-    log0(f"a new classifier for {len(classes)} classes (model.pretrained has {len(names)}"
-         f"{same_count}): it starts from random weights")
-
-
-def vit_flops_counter(raw_model):
-    """Model FLOPs per image of a ViT's forward + backward, as model_flops counts them: each linear
-    layer of the encoder multiplies every one of the P = patches + 1 (the class token) positions,
-    6 FLOPs per weight; attention 12 x width per query-key pair and layer (P^2 pairs); the patch
-    projection 4 per weight and patch (the pixels need no gradient); the classifier reads the class
-    token alone."""
-    config = raw_model.config
-    patches = (config.image_size // config.patch_size) ** 2
-    positions = patches + 1
-    linear = sum(m.weight.numel() for block in repeated_blocks(raw_model) for m in block.modules()
-                 if isinstance(m, torch.nn.Linear))
-    projection = raw_model.vit.embeddings.patch_embeddings.projection.weight.numel()
-    head = raw_model.classifier.weight.numel()
-    per_image = (6 * linear * positions + 12 * config.num_hidden_layers * config.hidden_size *
-                 positions ** 2 + 4 * projection * patches + 6 * head)
-    return lambda lengths: per_image * sum(len(micro_batch) for micro_batch in lengths)
-
-
-def check_classes(train_state, meta, path, cfg):
-    classes = train_state.get("classes", meta.get("classes"))
-    if classes != meta.get("classes"):
-        die(f"checkpoint {path} was trained on the classes {classes}, {cfg.data.dir} has "
-            f"{meta.get('classes')} -> give the data.dir it was trained on, or start afresh in "
-            "another checkpoint.dir")
-
-
-def export_image_model(raw_model, meta, final_dir):
-    """save_pretrained and the image processor the pipeline applies before the model: the shorter
-    side resized to the image size (bicubic) and a centre crop, as preprocess.py did, then
-    meta.json's mean and std: pipeline("image-classification", model=final_dir) classifies. The
-    pipeline's load_image turns the image RGB (and upright) first, as preprocess.py's to_rgb."""
-    size = meta["image_size"]
-    if raw_model.config._attn_implementation == "sdpa_unmasked":  # registered in this process only
-        raw_model.set_attn_implementation("sdpa")
-    raw_model.save_pretrained(final_dir)
-    # load_image made it RGB; converting again (transformers 5.24) whitens a GIF's clear colour
-    processor = {"image_processor_type": "BitImageProcessor", "do_convert_rgb": False,
-                 "do_resize": True, "size": {"shortest_edge": size}, "resample": 3,
-                 "do_center_crop": True, "crop_size": {"height": size, "width": size},
-                 "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
-                 "image_mean": meta["mean"], "image_std": meta["std"]}
-    (final_dir / "preprocessor_config.json").write_text(json.dumps(processor, indent=2) + "\n")
-    print(f"exported the model and its image processor to {final_dir}", flush=True)
-# ============================================================================== images: end
 
 
 # ----------------------------------------------------------------------------- 4. model
@@ -1740,11 +1345,9 @@ def padded_vocab(meta):
     return math.ceil(meta["vocab_size"] / 64) * 64  # as nanoGPT: matmul-friendly sizes
 
 
-def model_config(cfg, task, meta):
-    """The transformers config, with model.*'s dropout and output-layer choices."""
-    make_config = text_config
-    make_config = vit_config if task == "image" else make_config  # images
-    config = make_config(cfg, meta)
+def model_config(cfg, reader, meta):
+    """The reader's model's transformers config, with model.*'s dropout and output-layer choices."""
+    config = reader.model_config(cfg, meta)
     for name, value in config.to_dict().items():
         if ("dropout" in name or "pdrop" in name) and isinstance(value, float):
             setattr(config, name, cfg.model.dropout)
@@ -1787,16 +1390,10 @@ def check_heads(cfg):
             "-> change one of them")
 
 
-def model_class_of(task):
-    model_class = AutoModelForMaskedLM if task == "mlm" else AutoModelForCausalLM
-    model_class = AutoModelForImageClassification if task == "image" else model_class  # images
-    return model_class
-
-
-def build_model(cfg, task, meta, device):
+def build_model(cfg, reader, meta, device):
     """A new model from a transformers config, or a local pretrained one; fp32 master weights."""
-    config, model_class = model_config(cfg, task, meta), model_class_of(task)
-    attention = choose_attention(cfg.model.attention, device, task,
+    config, model_class = model_config(cfg, reader, meta), reader.model_class
+    attention = choose_attention(cfg.model.attention, device, reader.sdpa,
                                  model_class._model_mapping.get(type(config), None))
     if not cfg.model.pretrained:
         model = model_class.from_config(config, attn_implementation=attention, dtype=torch.float32)
@@ -1805,28 +1402,24 @@ def build_model(cfg, task, meta, device):
         model = model_class.from_pretrained(cfg.model.pretrained, config=config,
                                             dtype=torch.float32, attn_implementation=attention,
                                             local_files_only=True,
-                                            ignore_mismatched_sizes=task == "image")  # new head
+                                            ignore_mismatched_sizes=True)  # a head for other labels
     except (OSError, ValueError) as error:
         die(f"cannot load model.pretrained={cfg.model.pretrained} ({first_line(error)}) -> give a "
             "directory written by save_pretrained")
-    if task == "image":  # images
-        keep_or_renew_classifier(model, cfg, meta)  # images
+    reader.adapt_pretrained(model, cfg, meta)
     if config.tied_by_the_model and not config.tie_word_embeddings:
         # a tied checkpoint holds one table, and transformers would leave an untied output layer
         # random: it starts as the copy it was while tied
         model.get_output_embeddings().weight.data.copy_(model.get_input_embeddings().weight.data)
         log0("untied the output layer from the input embedding (model.tie_word_embeddings=false): "
              "it starts as a copy")
-    if task != "image" and model.get_input_embeddings().num_embeddings < padded_vocab(meta):
-        model.resize_token_embeddings(padded_vocab(meta))  # the tokenizer has more tokens
     return model, attention
 
 
-def choose_attention(requested, device, task, architecture=None):
+def choose_attention(requested, device, sdpa, architecture=None):
     """auto: FlashAttention-2 where flash_attn imports on a GPU of compute capability 8.0 or newer
-    (older GPUs fail at the first forward); else our sdpa_causal for causal LMs, sdpa_unmasked for
-    images, else sdpa; eager for the model classes transformers runs without SDPA (architecture:
-    e.g. DeBERTa-v2's)."""
+    (older GPUs fail at the first forward); else the reader's sdpa (ours: no mask, none padded);
+    eager for model classes transformers runs without SDPA (architecture: e.g. DeBERTa-v2's)."""
     supports = {kind: getattr(architecture, f"_supports_{kind}", True)
                 for kind in ("sdpa", "flash_attn")}
     usable = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0) and \
@@ -1835,14 +1428,12 @@ def choose_attention(requested, device, task, architecture=None):
         return "flash_attention_2"
     if requested == "auto" and not supports["sdpa"]:
         return "eager"
-    if requested == "auto" and task in ("causal", "image"):
-        # transformers' "sdpa" builds an explicit mask under torch.compile (all true for images),
-        # and SDPA runs no flash kernel with an explicit mask. Our causal batches and images are
-        # never padded, so these pass no mask: SDPA's is_causal is the model's (True, ViT's False).
-        name = "sdpa_causal" if task == "causal" else "sdpa_unmasked"
-        AttentionInterface.register(name, sdpa_attention_forward)
-        AttentionMaskInterface.register(name, lambda *args, **kwargs: None)
-        return name
+    if requested == "auto" and sdpa != "sdpa":
+        # transformers' "sdpa" builds an explicit mask under torch.compile (all true here), and
+        # SDPA runs no flash kernel with one: ours passes none; SDPA's is_causal is the model's.
+        AttentionInterface.register(sdpa, sdpa_attention_forward)
+        AttentionMaskInterface.register(sdpa, lambda *args, **kwargs: None)
+        return sdpa
     if requested == "flash_attention_2" and not usable:
         die("model.attention=flash_attention_2 needs the flash_attn package and a GPU of compute "
             "capability 8.0 or newer -> pip install flash-attn, or use model.attention=sdpa")
@@ -1869,39 +1460,17 @@ def repeated_blocks(model):
     return blocks
 
 
-def model_flops_counter(raw_model, task, attention, cfg):
-    """A function from the sample lengths of each micro-batch to their model FLOPs, for MFU."""
-    if task == "image":  # images
-        return vit_flops_counter(raw_model)  # images
-    matmul_params = count_matmul_params(raw_model)
-    layers, width = raw_model.config.num_hidden_layers, raw_model.config.hidden_size
-    # FlashAttention-2 drops a masked batch's padding before attention; SDPA and eager compute every
-    # padded position and zero the masked scores afterwards
-    unpads = attention == "flash_attention_2"
-    return lambda lengths: model_flops(lengths, matmul_params, layers, width, task == "causal",
-                                       unpads, cfg.train.pad_to_multiple, cfg.train.seq_len)
-
-
-def model_flops(micro_batch_lengths, matmul_params, layers, width, causal, attention_unpads,
-                pad_to_multiple, seq_len):
-    """Model FLOPs of forward + backward of micro-batches, a list of sample lengths each: PaLM's
-    count (Chowdhery et al. 2022, app. B) with attention as computed here. Matmuls: 2 FLOPs per
-    multiply-add forward, and backward computes two products of the same size: 6 x matmul_params per
-    position computed, padding too. Attention (Q K^T and the weighted sum of V): 2 x 2 x width per
-    query-key pair and layer forward, x3 with backward; a causal query sees the keys up to itself
-    (half the pairs), a masked-LM one every padded position, or only its sample's with
-    attention_unpads. Not counted: norms, activations, softmax, lookups, the loss, recomputation."""
-    total = 0
-    for lengths in micro_batch_lengths:
-        padded = seq_len
-        if not causal:  # MLM
-            padded = padded_length(max(lengths), pad_to_multiple, seq_len)  # MLM
-        positions = len(lengths) * padded
-        pairs = positions * padded / 2 if causal else positions * padded
-        if not causal and attention_unpads:  # MLM
-            pairs = sum(length * length for length in lengths)  # MLM
-        total += 6 * matmul_params * positions + 12 * layers * width * pairs
-    return total
+def model_flops_counter(raw_model, shape_of):
+    """A function from the sample lengths of each micro-batch to their model FLOPs, for MFU, where
+    shape_of(lengths) gives a micro-batch's positions computed (padding too) and query-key pairs:
+    PaLM's count (Chowdhery et al. 2022, app. B) with attention as computed here. Matmuls: 2 FLOPs
+    per multiply-add forward and two products of that size backward: 6 x matmul_params a position.
+    Attention (Q K^T and the weighted sum of V): 2 x 2 x width per query-key pair and layer forward,
+    x3 with backward. Not counted: norms, activations, softmax, lookups, the loss, recomputation."""
+    matmul_params, config = count_matmul_params(raw_model), raw_model.config
+    return lambda micro_batch_lengths: sum(
+        6 * matmul_params * positions + 12 * config.num_hidden_layers * config.hidden_size * pairs
+        for positions, pairs in map(shape_of, micro_batch_lengths))
 
 
 def count_matmul_params(model):
@@ -2046,7 +1615,7 @@ def log_interval(interval, setup, run, result):
     record = {
         "kind": "train", "step": run.step, "grad_norm": result.grad_norm.item(), "lr": result.lr,
         "loss": loss_sum / interval.label_tokens if interval.label_tokens else None,  # all skipped
-        "tokens_per_sec": interval.input_tokens / elapsed,
+        f"{setup.train_data.unit}_per_sec": interval.input_tokens / elapsed,  # tokens, or images
         "steps_per_sec": interval.steps / elapsed,
         "mfu": (interval.flops / (elapsed * setup.peak_flops * len(per_rank)) if setup.peak_flops
                 else None),
@@ -2059,10 +1628,9 @@ def log_interval(interval, setup, run, result):
         "data_wait_frac": max(frac for _, frac in per_rank),
         "step_time_skew": max(busy) / max(min(busy), 1e-9) if several else None,
         "slowest_rank": busy.index(max(busy)) if several else None,
-        "tokens_seen": run.tokens_seen, "skipped_steps": interval.skipped,
+        f"{setup.train_data.unit}_seen": run.tokens_seen, "skipped_steps": interval.skipped,
         "eta_s": elapsed / interval.steps * (setup.cfg.train.max_steps - run.step),
     }
-    record = image_record(record, setup.train_data)  # images
     record = write_metrics(setup, record)
     log0(log_line(record, setup.cfg.train.max_steps))
     interval.reset(now)
@@ -2071,11 +1639,11 @@ def log_interval(interval, setup, run, result):
 def log_line(record, max_steps):
     """The console's compact line: each figure only where it exists."""
     loss = "n/a" if record["loss"] is None else f"{record['loss']:.4f}"
-    rate = (f"{record['images_per_sec']:.0f} img/s" if "images_per_sec" in record else
-            f"{record['tokens_per_sec'] / 1e3:.1f}k tok/s")
     line = (f"step {record['step']}/{max_steps} | loss {loss} | lr {record['lr']:.2e} | grad "
-            f"{record['grad_norm']:.3f} | {rate}")
-    parts = [("mfu", lambda r: f"MFU {100 * r['mfu']:.1f}%"),
+            f"{record['grad_norm']:.3f}")
+    parts = [("tokens_per_sec", lambda r: f"{r['tokens_per_sec'] / 1e3:.1f}k tok/s"),
+             ("images_per_sec", lambda r: f"{r['images_per_sec']:.0f} img/s"),  # images
+             ("mfu", lambda r: f"MFU {100 * r['mfu']:.1f}%"),
              ("mem_alloc_gib", lambda r: f"mem {r['mem_alloc_gib']:.1f}/"
                                          f"{r['mem_reserved_gib']:.1f}/{r['mem_peak_gib']:.1f} GiB "
                                          "alloc/res/peak"),
@@ -2084,8 +1652,8 @@ def log_line(record, max_steps):
              ("data_wait_frac", lambda r: f"data {100 * r['data_wait_frac']:.1f}%"),
              ("step_time_skew", lambda r: f"skew {r['step_time_skew']:.2f} "
                                           f"(rank {r['slowest_rank']})")]
-    line += "".join(f" | {text(record)}" for key, text in parts if record[key] or (
-        key == "data_wait_frac" or (record[key] is not None and key != "alloc_retries")))
+    line += "".join(f" | {text(record)}" for key, text in parts if record.get(key) or (
+        key == "data_wait_frac" or (record.get(key) is not None and key != "alloc_retries")))
     minutes, seconds = divmod(int(record["eta_s"]), 60)
     hours, minutes = divmod(minutes, 60)
     return line + f" | ETA {f'{hours}h{minutes:02d}m' if hours else f'{minutes}m{seconds:02d}s'}"
@@ -2094,12 +1662,10 @@ def log_line(record, max_steps):
 def validate(model, val_data, setup, step):
     """The mean loss per label and the top-1 accuracy over the same validation batches every time,
     each rank doing its share: rank 0 alone would be world_size times slower, and would hang the
-    others if the forward itself communicates (FSDP all-gathers weights) or outlasts dist.timeout_s.
-    Images: the whole split, each image counted once (labels past its end are IGNORE_INDEX)."""
+    others if the forward communicates (FSDP all-gathers weights) or outlasts dist.timeout_s."""
     model.eval()
-    batches, global_batch = setup.cfg.train.eval_batches, setup.cfg.train.global_batch_size
-    if val_data.task == "image":  # images
-        batches = -(-len(val_data) // global_batch)  # images
+    batches = val_data.validation_batches(setup.cfg)
+    global_batch = setup.cfg.train.global_batch_size
     sums = torch.zeros(3, device=setup.device, dtype=torch.float64)  # loss, correct, labels
     with torch.no_grad():
         for batch_index in range(batches):
@@ -2243,11 +1809,9 @@ def peak_flops_per_gpu(device, peak_tflops):
     return PEAK_BF16_TFLOPS[name] * 1e12 if name in PEAK_BF16_TFLOPS else None
 
 
-def export_final(raw_model, data_dir, meta, final_dir, task, cfg, device):
+def export_final(raw_model, data_dir, meta, final_dir, cfg, device):
     """save_pretrained and the tokenizer: AutoModelFor...from_pretrained(final_dir) loads them."""
-    transformers_logging.disable_progress_bar()  # a bar per one-file save is noise in a log
-    if task == "image":  # images
-        return export_image_model(raw_model, meta, final_dir)  # images
+    transformers.logging.disable_progress_bar()  # a bar per one-file save is noise in a log
     core = Tokenizer.from_file(str(data_dir / meta["tokenizer_file"]))
     names = {key: core.id_to_token(token_id) for key, token_id in meta["special_tokens"].items()}
     tokenizer = PreTrainedTokenizerFast(
@@ -2260,7 +1824,7 @@ def export_final(raw_model, data_dir, meta, final_dir, task, cfg, device):
     raw_model.save_pretrained(final_dir)
     tokenizer.save_pretrained(final_dir)
     print(f"exported the model and tokenizer to {final_dir}", flush=True)
-    if task == "causal" and cfg.log.sample_prompt:
+    if raw_model.can_generate() and cfg.log.sample_prompt:  # a causal LM: a sample of its text
         raw_model.eval()
         prompt = torch.tensor([tokenizer.encode(cfg.log.sample_prompt)], device=device)
         room = raw_model.config.max_position_embeddings - prompt.shape[1]
@@ -2292,6 +1856,440 @@ def report_lost_ranks(error):
     print(f"error: rank {rank}: a collective waited longer than dist.timeout_s; ranks that stopped "
           f"answering: {silent} -> look at their logs (a hang, a deadlock, a dead node); raise "
           "dist.timeout_s if they are only slow", file=sys.stderr, flush=True)
+
+
+# ======================================================================= sample draws: begin
+# Per-sample random draws that # MLM and # images share: delete this block with the last of them.
+
+def sample_uniforms(seed, epochs, sample_ids, positions, use):
+    """A float in [0, 1) per (epoch, sample, position), broadcast, for one use (MLM: 0 masked?, 1
+    replaced by what, 2 which random token; images: 3 crop and flip): a vectorised hash (splitmix64)
+    of (seed, epoch, sample, position, use) alone, so no rank or micro-batch changes a draw."""
+    shape = np.broadcast_shapes(np.shape(epochs), np.shape(sample_ids), np.shape(positions))
+    mixed = np.full(shape, seed, dtype=np.uint64)
+    for part in (epochs, sample_ids, np.asarray(positions) * 4 + use):
+        mixed = splitmix64(mixed ^ np.asarray(part, dtype=np.uint64))
+    return (splitmix64(mixed) >> np.uint64(11)).astype(np.float64) * 2.0**-53  # the top 53 bits
+
+
+def splitmix64(values):
+    values = values + np.uint64(0x9E3779B97F4A7C15)  # numpy's uint64 arithmetic wraps, as wanted
+    values = (values ^ (values >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    values = (values ^ (values >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return values ^ (values >> np.uint64(31))
+# ======================================================================= sample draws: end
+
+
+# ============================================================================== MLM: begin
+# Masked-LM models (BERT, RoBERTa, ...). Delete this block and the lines tagged # MLM for a trainer
+# of causal language models only.
+
+# masked LMs' knobs, as config.yaml gives them (model.task=auto: a masked LM where the type has one)
+DEFAULTS["model"]["task"], CHOICES["model.task"] = "auto", ["auto", "causal", "mlm"]
+DEFAULTS["train"].update(mlm_probability=0.15, pad_to_multiple=0)
+RANGES.update({"train.mlm_probability": ("above 0", "below 1"), "train.pad_to_multiple": (0, None),
+               "train.seq_len": (3, None)})  # a masked-LM sample is [CLS] token [SEP]
+MODEL_KEYS["model.task"] = None
+
+
+def masked_lm_reader(cfg, reader):
+    """MaskedTokens for model.task=mlm, or auto and a type transformers has a masked LM of."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+    model_type = load_pretrained_config(cfg.model.pretrained).model_type if cfg.model.pretrained \
+        else cfg.model.type
+    masked = cfg.model.task == "auto" and model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES
+    return MaskedTokens if cfg.model.task == "mlm" or masked else reader
+
+
+class MaskedTokens(ArrowTokens):
+    """A masked LM's samples: sample i is document i, truncated to L - 2 and framed as
+    [CLS] doc [SEP]; a micro-batch is padded and masked as BERT's (mask_tokens)."""
+    task, model_class, sdpa = "mlm", transformers.AutoModelForMaskedLM, "sdpa"  # sdpa: it masks
+
+    def __init__(self, data_dir, meta, split, seq_len):
+        super().__init__(data_dir, meta, split, seq_len)
+        self.special = meta["special_tokens"]
+        self.doc_offsets = [chunk.offsets.to_numpy() for chunk in self.chunks]
+        self.doc_starts = np.cumsum([0] + [len(offsets) - 1 for offsets in self.doc_offsets])
+
+    def count_samples(self, stream_length):
+        return sum(len(chunk) for chunk in self.chunks)  # a sample per document
+
+    def length(self, index):
+        _, offsets, row = self.document(index)
+        return min(int(offsets[row + 1] - offsets[row]) - 1, self.seq_len - 2) + 2
+
+    def sample(self, index):
+        piece, offsets, row = self.document(index)
+        end = min(offsets[row + 1] - 1, offsets[row] + self.seq_len - 2)  # without end-of-text
+        doc = self.pieces[piece][offsets[row]:end]
+        return np.concatenate([[self.special["cls"]], doc, [self.special["sep"]]])
+
+    def document(self, index):  # its piece, the piece's offsets and its row there
+        piece = int(np.searchsorted(self.doc_starts, index, side="right")) - 1
+        return piece, self.doc_offsets[piece], index - self.doc_starts[piece]
+
+    def plan(self, position, seed, cfg, world_size):
+        """The global batch sorted by length before it is cut, so each micro-batch pads little; the
+        micro-batches are dealt round-robin, so every rank gets short and long ones."""
+        sample_ids, epochs = global_batch(position, cfg.train.global_batch_size, len(self), seed)
+        order = sorted(range(len(sample_ids)), key=lambda k: (self.length(sample_ids[k]), k))
+        return deal(sample_ids[order], epochs[order], cfg.train.micro_batch_size, world_size)
+
+    def micro_batch(self, sample_ids, epochs, cfg, device):
+        """Padded to seq_len (train.pad_to_multiple=0), or to its longest sample rounded up to a
+        multiple of it, with BERT's masking."""
+        samples = [self.sample(int(i)) for i in sample_ids]
+        lengths = np.array([len(sample) for sample in samples])
+        length = padded_length(lengths.max(), cfg.train.pad_to_multiple, self.seq_len)
+        tokens = np.full((len(samples), length), self.special["pad"], dtype=np.int64)
+        for row, sample in enumerate(samples):
+            tokens[row, :len(sample)] = sample
+        inputs, labels = mask_tokens(tokens, lengths, cfg.train.seed,
+                                     np.asarray(epochs, dtype=np.int64),
+                                     np.asarray(sample_ids, dtype=np.int64), self.special,
+                                     self.vocab_size, cfg.train.mlm_probability)
+        attention_mask = (np.arange(length) < lengths[:, None]).astype(np.int64)
+        batch = on_device({"input_ids": torch.from_numpy(inputs), "labels": torch.from_numpy(
+            labels), "attention_mask": torch.from_numpy(attention_mask)}, device)
+        if 0 < cfg.train.pad_to_multiple < self.seq_len:
+            for tensor in [*batch["inputs"].values(), batch["labels"]]:
+                dynamic_length(tensor)
+        return batch
+
+    def label_count(self, plan, lengths, cfg):
+        """The masked positions, drawn exactly as micro_batch will draw them."""
+        pairs = [pair for rank_plan in plan for pair in rank_plan]
+        ids, epochs = (np.concatenate([pair[k] for pair in pairs]) for k in (0, 1))
+        masked = masked_positions(cfg.train.seed, epochs, ids, np.concatenate(lengths),
+                                  self.seq_len, cfg.train.mlm_probability)
+        return int(masked.sum())
+
+    @staticmethod
+    def flops_counter(raw_model, attention, cfg):
+        """A query sees every padded position of its micro-batch (SDPA, eager), or with
+        FlashAttention-2, which drops the padding before attention, its sample's only."""
+        def shape_of(lengths):
+            padded = padded_length(max(lengths), cfg.train.pad_to_multiple, cfg.train.seq_len)
+            if attention == "flash_attention_2":
+                return len(lengths) * padded, sum(length * length for length in lengths)
+            return len(lengths) * padded, len(lengths) * padded * padded
+        return model_flops_counter(raw_model, shape_of)
+
+
+def masked_lm_loss(loss_of, cfg, reader):
+    """With dynamic padding, the loss given its logits' length as dynamic (dynamic_length)."""
+    if reader is not MaskedTokens or not 0 < cfg.train.pad_to_multiple < cfg.train.seq_len:
+        return loss_of
+    return lambda logits, labels: loss_of(dynamic_length(logits), labels)
+
+
+def dynamic_length(tensor):
+    """Mark dimension 1 (the length) dynamic, so one compiled graph serves every padded length.
+    Unmarked, Dynamo compiles the first length as a constant and again at the second. maybe_: a
+    torch that specializes the length anyway recompiles instead of failing."""
+    torch._dynamo.maybe_mark_dynamic(tensor, 1)
+    return tensor
+
+
+def padded_length(longest, pad_to_multiple, seq_len):
+    """The longest sample rounded up to a multiple of pad_to_multiple (at most seq_len; 0: it)."""
+    if pad_to_multiple == 0:
+        return seq_len
+    return min(-(-longest // pad_to_multiple) * pad_to_multiple, seq_len)
+
+
+def mask_tokens(tokens, lengths, seed, epochs, sample_ids, special, vocab_size, probability):
+    """BERT's masking of a padded micro-batch (a row of token ids per sample): inputs and labels."""
+    chosen = masked_positions(seed, epochs, sample_ids, lengths, tokens.shape[1], probability)
+    positions = np.arange(tokens.shape[1])
+    uniforms = [sample_uniforms(seed, epochs[:, None], sample_ids[:, None], positions, use)
+                for use in (1, 2)]
+    inputs = np.where(chosen & (uniforms[0] < 0.8), special["mask"], tokens)  # 80% [MASK]
+    replaced = chosen & (uniforms[0] >= 0.8) & (uniforms[0] < 0.9)  # 10% a random token, 10% kept
+    inputs[replaced] = (uniforms[1][replaced] * vocab_size).astype(np.int64)
+    return inputs, np.where(chosen, tokens, IGNORE_INDEX)
+
+
+def masked_positions(seed, epochs, sample_ids, lengths, width, probability):
+    """Which positions BERT predicts, a row per sample: never [CLS] (position 0), [SEP] (length - 1)
+    or the padding after it; each other position with `probability`."""
+    positions = np.arange(width)
+    candidates = (positions >= 1) & (positions <= lengths[:, None] - 2)
+    uniforms = sample_uniforms(seed, epochs[:, None], sample_ids[:, None], positions, 0)
+    return candidates & (uniforms < probability)
+# ============================================================================== MLM: end
+
+
+# ============================================================================== images: begin
+# Image classification with ViT: data from `preprocess.py --images`. Delete this block and the lines
+# tagged # images for a trainer of language models only.
+
+# image models' knobs, as config.yaml gives them
+DEFAULTS["model"]["patch_size"], MODEL_KEYS["model.patch_size"] = 0, 0
+DEFAULTS["train"].update(crop_padding=4, hflip=False)
+RANGES.update(dict.fromkeys(["model.patch_size", "train.crop_padding"], (0, None)))
+# Without a CUDA GPU and for model.type=vit, these replace CPU_PRESET's values: a small ViT from
+# scratch needs more steps and no random crops to reach 90% on the digits within minutes.
+CPU_PRESET_IMAGES = {"train.max_steps": 1000, "train.eval_every": 250, "train.crop_padding": 0,
+                     "optim.lr": 3e-3, "optim.min_lr": 3e-4, "optim.warmup_steps": 50,
+                     "checkpoint.every": 250}
+DIGITS_DIR = "data/digits"  # where an image model's default data, the digits, is prepared
+# With a CUDA GPU, model.type=vit and data.dir at its default (the digits), these replace the
+# defaults: the same small ViT, not compiled (compiling it takes longer than its 1,000 steps).
+GPU_PRESET_DIGITS = {"model.n_layer": 2, "model.n_head": 4, "model.n_embd": 128,
+                     "train.global_batch_size": 32, "train.micro_batch_size": 32,
+                     "train.max_steps": 1000, "train.eval_every": 500, "train.crop_padding": 0,
+                     "train.compile": "false", "optim.lr": 3e-3, "optim.min_lr": 3e-4,
+                     "optim.warmup_steps": 50, "checkpoint.every": 500}
+PRESETS.update(cpu_preset_images=CPU_PRESET_IMAGES, gpu_preset_digits=GPU_PRESET_DIGITS)
+
+
+def image_preset(flat, name, preset, presets, use_cuda):
+    """An image model's preset and its name: data.dir the digits (the offline default images); for
+    a ViT without a GPU also the CPU preset's images part, with one on the digits the GPU's."""
+    if not image_model_type(flat["model.type"], flat["model.pretrained"]):
+        return name, preset
+    if flat["model.type"] == "vit" and not use_cuda:
+        name, preset = "cpu_preset + cpu_preset_images", {**preset, **presets["cpu_preset_images"]}
+    elif flat["model.type"] == "vit" and flat["data.dir"] in (DEFAULTS["data"]["dir"], DIGITS_DIR):
+        name, preset = "gpu_preset_digits", presets["gpu_preset_digits"]
+    return name or "images", {**preset, "data.dir": DIGITS_DIR}
+
+
+def prepare_images_command(data_dir):
+    """The command that prepares images into data_dir: the digits, or the user's images."""
+    source = "" if str(data_dir) == DIGITS_DIR else " YOUR_IMAGES"
+    return f"python preprocess.py --images{source} --out {data_dir}"
+
+
+def image_model_type(model_type, pretrained):
+    """The model's type (model.pretrained's where given) if it classifies images, else None."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES
+    model_type = load_pretrained_config(pretrained).model_type if pretrained else model_type
+    return model_type if model_type in MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES else None
+
+
+def image_reader(cfg, reader):
+    """ArrowImages for a ViT, refusing what does not apply to images; else reader."""
+    model_type = image_model_type(cfg.model.type, cfg.model.pretrained)
+    if model_type is None:
+        return reader
+    if model_type != "vit":
+        die(f"model.type={model_type}: the image path trains ViT models -> use model.type=vit")
+    values, defaults = config_dict(cfg), flatten(DEFAULTS)
+    for key, reason in [("model.task", "an image model classifies"),
+                        ("model.embedding_gpu_rows", "a ViT has no token embedding"),
+                        ("model.tie_word_embeddings", "a ViT has no token embedding"),
+                        ("train.mlm_probability", "a masked-LM setting"),
+                        ("train.pad_to_multiple", "a masked-LM setting")]:
+        if key in values and values[key] != defaults[key]:  # the other parts' keys, where here
+            die(f"{key}={values[key]} does not apply to images ({reason}) -> leave it at "
+                f"{defaults[key]}")
+    return ArrowImages
+
+
+def vit_config(cfg, meta):
+    """A ViT of model.*'s shape for meta.json's images and classes, or model.pretrained's, with a
+    new classifier when the classes differ."""
+    size, classes = meta["image_size"], meta["classes"]
+    labels = dict(num_labels=len(classes), id2label=dict(enumerate(classes)),
+                  label2id={name: i for i, name in enumerate(classes)})
+    if cfg.model.pretrained:
+        config = load_pretrained_config(cfg.model.pretrained)
+        if config.image_size != size:
+            die(f"{cfg.model.pretrained} was trained on {config.image_size}-pixel images, "
+                f"{cfg.data.dir} holds {size}-pixel ones -> prepare them with --image-size "
+                f"{config.image_size}")
+        config.update(labels)
+        return config
+    check_heads(cfg)
+    patch = cfg.model.patch_size or min(16, size // 4)  # 16 as ViT-B/16; 4 x 4 patches at least
+    if patch == 0:
+        die(f"the images are {size} pixels, too few for 4 x 4 patches -> prepare them with "
+            "--image-size 4 or more")
+    if size % patch:
+        die(f"the images are {size} pixels, not a multiple of model.patch_size={patch} -> give a "
+            "model.patch_size that divides it")
+    return AutoConfig.for_model(
+        "vit", hidden_size=cfg.model.n_embd, num_hidden_layers=cfg.model.n_layer,
+        num_attention_heads=cfg.model.n_head, image_size=size, patch_size=patch,
+        intermediate_size=cfg.model.intermediate_size or 4 * cfg.model.n_embd, **labels)
+
+
+def keep_or_renew_classifier(model, cfg, meta):
+    """A pretrained ViT keeps its classifier for the same class names in the same order; for any
+    others it gets a new one (from_pretrained would keep one of the same shape)."""
+    pretrained = load_pretrained_config(cfg.model.pretrained)
+    names, classes = [pretrained.id2label[i] for i in range(pretrained.num_labels)], meta["classes"]
+    if names == classes:
+        log0(f"the classifier of model.pretrained is kept: the same {len(classes)} classes")
+        return
+    with torch.no_grad():  # as ViT initialises a linear layer
+        torch.nn.init.trunc_normal_(model.classifier.weight, std=model.config.initializer_range)
+        torch.nn.init.zeros_(model.classifier.bias)
+    same_count = ", other names" if len(names) == len(classes) else ""
+    log0(f"a new classifier for {len(classes)} classes (model.pretrained has {len(names)}"
+         f"{same_count}): it starts from random weights")
+
+
+def vit_flops_counter(raw_model, attention, cfg):
+    """Model FLOPs per image of a ViT's forward + backward, counted as model_flops_counter does:
+    each linear layer of the encoder multiplies every one of the P = patches + 1 (the class token)
+    positions, 6 FLOPs per weight; attention 12 x width per query-key pair and layer (P^2 pairs);
+    the patch projection 4 per weight and patch (the pixels need no gradient); the classifier reads
+    the class token alone."""
+    config = raw_model.config
+    patches = (config.image_size // config.patch_size) ** 2
+    positions = patches + 1
+    linear = sum(m.weight.numel() for block in repeated_blocks(raw_model) for m in block.modules()
+                 if isinstance(m, torch.nn.Linear))
+    projection = raw_model.vit.embeddings.patch_embeddings.projection.weight.numel()
+    head = raw_model.classifier.weight.numel()
+    per_image = (6 * linear * positions + 12 * config.num_hidden_layers * config.hidden_size *
+                 positions ** 2 + 4 * projection * patches + 6 * head)
+    return lambda lengths: per_image * sum(len(micro_batch) for micro_batch in lengths)
+
+
+def export_image_model(raw_model, data_dir, meta, final_dir, cfg, device):
+    """save_pretrained and the image processor the pipeline applies before the model: the shorter
+    side resized to the image size (bicubic) and a centre crop, as preprocess.py did, then
+    meta.json's mean and std: pipeline("image-classification", model=final_dir) classifies. The
+    pipeline's load_image turns the image RGB (and upright) first, as preprocess.py's to_rgb."""
+    size = meta["image_size"]
+    if raw_model.config._attn_implementation == "sdpa_unmasked":  # registered in this process only
+        raw_model.set_attn_implementation("sdpa")
+    raw_model.save_pretrained(final_dir)
+    # load_image made it RGB; converting again (transformers 5.24) whitens a GIF's clear colour
+    processor = {"image_processor_type": "BitImageProcessor", "do_convert_rgb": False,
+                 "do_resize": True, "size": {"shortest_edge": size}, "resample": 3,
+                 "do_center_crop": True, "crop_size": {"height": size, "width": size},
+                 "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+                 "image_mean": meta["mean"], "image_std": meta["std"]}
+    (final_dir / "preprocessor_config.json").write_text(json.dumps(processor, indent=2) + "\n")
+    print(f"exported the model and its image processor to {final_dir}", flush=True)
+
+
+class ArrowImages:
+    """The images of one split, memory-mapped from Arrow files: sample i is image i (uint8 pixels,
+    height x width x RGB) and its label. One image is one sample, of "length" 1: the text path's
+    counts of tokens count images here. Its task: a ViT classifies them."""
+    task, kind, unit, seq_len, sdpa = "image", "images", "images", 1, "sdpa_unmasked"  # no mask
+    model_class = transformers.AutoModelForImageClassification
+    prepare_command, model_config = staticmethod(prepare_images_command), staticmethod(vit_config)
+    adapt_pretrained = staticmethod(keep_or_renew_classifier)
+    flops_counter, export = staticmethod(vit_flops_counter), staticmethod(export_image_model)
+    plan, label_count = ArrowTokens.plan, ArrowTokens.label_count  # as text's, one label an image
+
+    def __init__(self, data_dir, meta, split, seq_len):
+        size, classes = meta.get("image_size"), meta.get("classes")
+        rebuild = f"-> rebuild: {prepare_images_command(data_dir)} --force"
+        if not (isinstance(size, int) and size > 0 and isinstance(classes, list)
+                and len(classes) > 1 and meta.get("channels") == 3
+                and all(isinstance(meta.get(key), list) and len(meta[key]) == 3
+                        for key in ("mean", "std"))):
+            die(f"{data_dir / 'meta.json'} lacks image_size, classes (two or more), channels=3, "
+                f"mean or std {rebuild}")
+        self.size, self.classes = meta["image_size"], list(meta["classes"])
+        self.mean, self.std, self.on_device = meta["mean"], meta["std"], {}
+        self.augment = split == "train"  # the val split is read as it is
+        self.summary = f"{len(self.classes)} classes, {self.size}x{self.size} pixels"
+        row_bytes, pieces, labels = self.size * self.size * 3, [], []
+        for name in meta["splits"][split]["files"]:
+            try:
+                table = pa.ipc.open_file(pa.memory_map(str(data_dir / name))).read_all()
+            except (OSError, pa.ArrowInvalid) as error:
+                die(f"cannot read {data_dir / name} ({error}) {rebuild}")
+            if not {"pixels", "label"} <= set(table.column_names) or table.schema.field(
+                    "pixels").type != pa.binary(row_bytes):
+                die(f"{data_dir / name} has no pixels column of {self.size}x{self.size} RGB "
+                    f"images {rebuild}")
+            for chunk in (chunk for chunk in table.column("pixels").chunks if len(chunk)):
+                if chunk.null_count:
+                    die(f"{data_dir / name} has images without pixels {rebuild}")
+                flat = np.frombuffer(chunk.buffers()[1], dtype=np.uint8)  # no copy
+                pieces.append(flat[chunk.offset * row_bytes:][:len(chunk) * row_bytes].reshape(
+                    len(chunk), self.size, self.size, 3))
+            labels.append(table.column("label").to_numpy().astype(np.int64))
+        self.labels = np.concatenate(labels) if labels else np.zeros(0, dtype=np.int64)
+        if len(self.labels) and not 0 <= self.labels.min() <= self.labels.max() < len(self.classes):
+            die(f"the {split} split of {data_dir} has labels outside 0..{len(self.classes) - 1} "
+                f"{rebuild}")
+        self.pieces, self.piece_starts = pieces, np.cumsum([0] + [len(p) for p in pieces])
+        if len(self.labels) == 0:
+            more = (f"rebuild it with a larger --val-fraction F: "
+                    f"{prepare_images_command(data_dir)} --val-fraction F --force") \
+                if split == "val" else "prepare more images"
+            die(f"the {split} split of {data_dir} has no images -> {more}")
+
+    def __len__(self):
+        return len(self.labels)
+
+    def length(self, index):
+        return 1
+
+    def model_summary(self, config):
+        patches = (config.image_size // config.patch_size) ** 2
+        return f"{patches} patches of {config.patch_size}x{config.patch_size}, " \
+               f"{config.num_labels} classes"
+
+    def validation_batches(self, cfg):  # the whole split, each image once (micro_batch)
+        return -(-len(self) // cfg.train.global_batch_size)
+
+    def pixels(self, sample_ids):
+        """The uint8 images of sample_ids, batch x height x width x RGB, gathered across files."""
+        pieces = np.searchsorted(self.piece_starts, sample_ids, side="right") - 1
+        out = np.empty((len(sample_ids), self.size, self.size, 3), dtype=np.uint8)
+        for piece in np.unique(pieces):
+            rows = pieces == piece
+            out[rows] = self.pieces[piece][sample_ids[rows] - self.piece_starts[piece]]
+        return out
+
+    def micro_batch(self, sample_ids, epochs, cfg, device):
+        """Images go to the device as uint8 (a quarter of float32's bytes), there to be cropped at
+        random from a zero-padded frame (train.crop_padding), flipped (train.hflip) and normalised,
+        by hashes of (seed, epoch, sample): alike on any number of ranks. In validation the samples
+        past the split's end (epochs > 0) only pad the last batch: their labels are ignored."""
+        sample_ids = np.asarray(sample_ids, dtype=np.int64)
+        epochs = np.asarray(epochs, dtype=np.int64)
+        pixels = torch.from_numpy(self.pixels(sample_ids))
+        labels = torch.from_numpy(self.labels[sample_ids])
+        if not self.augment:
+            labels[torch.from_numpy(epochs > 0)] = IGNORE_INDEX
+        size, pad = self.size, cfg.train.crop_padding if self.augment else 0
+        uniforms = sample_uniforms(cfg.train.seed, epochs[:, None], sample_ids[:, None], [0, 1, 2],
+                                   3)
+        shifts = torch.from_numpy((uniforms[:, :2] * (2 * pad + 1)).astype(np.int64))  # 0..2 x pad
+        flips = torch.from_numpy((uniforms[:, 2] < 0.5) & (self.augment and cfg.train.hflip))
+        if device.type == "cuda":  # from pinned memory the copies do not make the host wait
+            pixels, labels, shifts, flips = (tensor.pin_memory().to(device, non_blocking=True)
+                                             for tensor in (pixels, labels, shifts, flips))
+        images = pixels.permute(0, 3, 1, 2)  # batch x RGB x height x width, as the model reads them
+        if pad or (cfg.train.hflip and self.augment):
+            framed = F.pad(images, (pad, pad, pad, pad))
+            steps = torch.arange(size, device=images.device)
+            rows = shifts[:, 0, None] + steps
+            cols = shifts[:, 1, None] + torch.where(flips[:, None], size - 1 - steps, steps)
+            batch_index = torch.arange(len(images), device=images.device)[:, None, None, None]
+            channels = torch.arange(3, device=images.device)[None, :, None, None]
+            images = framed[batch_index, channels, rows[:, None, :, None], cols[:, None, None, :]]
+        if device not in self.on_device:  # mean and 255 x std as (1, 3, 1, 1) tensors, made once
+            self.on_device[device] = [torch.tensor(values, device=device).view(1, 3, 1, 1)
+                                      for values in (self.mean, [255 * s for s in self.std])]
+        mean, scale = self.on_device[device]
+        pixel_values = (images.float() - 255 * mean) / scale  # (x / 255 - mean) / std
+        return {"inputs": {"pixel_values": pixel_values}, "labels": labels, "host_input_ids": None}
+
+
+def check_classes(train_state, meta, path, cfg):
+    classes = train_state.get("classes", meta.get("classes"))
+    if classes != meta.get("classes"):
+        die(f"checkpoint {path} was trained on the classes {classes}, {cfg.data.dir} has "
+            f"{meta.get('classes')} -> give the data.dir it was trained on, or start afresh in "
+            "another checkpoint.dir")
+
+
+# ============================================================================== images: end
 
 
 # ============================================================================== metrics: begin

@@ -348,7 +348,7 @@ VARIANTS = {
         ("    loss_of = torch.compile(token_loss_sum) if use_compile else token_loss_sum",
          "    loss_of = token_loss_sum")],
     "use_cache": [("    config.use_cache = False", "    config.use_cache = True")],
-    "sdpa_masked": [("    if requested == \"auto\" and task in (\"causal\", \"image\"):",
+    "sdpa_masked": [("    if requested == \"auto\" and sdpa != \"sdpa\":",
                      "    if False:")],  # transformers' own sdpa
     "sync_debug": [("def main():\n", "def main():\n    import warnings\n"
                     "    warnings.simplefilter('always')\n"
@@ -1436,7 +1436,7 @@ def dataparallel_worker(stage_name, tiny):
     accumulation = batch["global_batch_size"] // micro
     config = gpt2_config(shape, batch)
     torch.manual_seed(1337)
-    attention = train_ddp.choose_attention("auto", device, "causal")
+    attention = train_ddp.choose_attention("auto", device, train_ddp.ArrowTokens.sdpa)
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attention).to(device)
     parallel = torch.nn.DataParallel(model) if on_gpu else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1,
@@ -1564,13 +1564,13 @@ def tokens_per_step(batch):
 
 
 def flops_per_token(shape, batch):
-    """train_ddp.py's count (model_flops) for a causal batch: 6 x the parameters multiplied with
-    every token + 6 x layers x width x seq_len (attention's 12 x layers x width per query-key pair,
-    a causal query seeing half the sequence on average). For this GPT-2 layout those parameters are
-    all but the position embedding (the token embedding is the output layer too): per layer
-    12 d^2 + 13 d (four weight matrices, their biases, two LayerNorms), the final LayerNorm 2 d, the
-    output layer vocab x d. nanoGPT's estimate_mfu counts the same parameters (get_num_params) but
-    full attention (12 x layers x width x T)."""
+    """train_ddp.py's count (ArrowTokens.flops_counter) for a causal batch: 6 x the parameters
+    multiplied with every token + 6 x layers x width x seq_len (attention's 12 x layers x width per
+    query-key pair, a causal query seeing half the sequence on average). For this GPT-2 layout those
+    parameters are all but the position embedding (the token embedding is the output layer too):
+    per layer 12 d^2 + 13 d (four weight matrices, their biases, two LayerNorms), the final
+    LayerNorm 2 d, the output layer vocab x d. nanoGPT's estimate_mfu counts the same parameters
+    (get_num_params) but full attention (12 x layers x width x T)."""
     layers, width = shape["n_layer"], shape["n_embd"]
     matmul_params = (layers * (12 * width**2 + 13 * width) + 2 * width
                      + batch["vocab_size"] * width)
