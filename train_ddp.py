@@ -53,42 +53,6 @@ from transformers import (AttentionInterface, AttentionMaskInterface, AutoConfig
                           AutoModelForCausalLM, PreTrainedTokenizerFast)
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-# Every knob and its default (an optional part adds its own in its block); config.yaml holds the
-# same values, each with the reason for it.
-DEFAULTS = {
-    "out_dir": "out", "export": True,
-    "model": dict(type="gpt2", pretrained="", n_layer=12, n_head=12, n_embd=768,
-                  intermediate_size=0, dropout=0.0, attention="auto", tie_word_embeddings="auto",
-                  embedding_gpu_rows=0),
-    "data": dict(dir="data/stdlib", vocab_size=8192, val_fraction=0.02),
-    "train": dict(seq_len=1024, global_batch_size=64, micro_batch_size=32, max_steps=300,
-                  precision="auto", compile="auto", seed=1337, eval_every=100, eval_batches=8,
-                  max_bad_steps=10),
-    "optim": dict(lr=6e-4, min_lr=6e-5, warmup_steps=50, weight_decay=0.1, beta1=0.9, beta2=0.95,
-                  eps=1e-8, grad_clip=1.0),
-    "checkpoint": dict(dir="out/checkpoints", every=100, keep=2, resume="auto", async_save=False),
-    "log": dict(every=10, sample_prompt="def ", sample_tokens=64, peak_tflops=0, tensorboard=True,
-                prometheus_port=0, gpu_util=True),
-    "fsdp": dict(reshard_after_forward=True, activation_checkpointing=False, cpu_offload=False),
-    "dist": dict(backend="auto", timeout_s=600, reducer="torch", bucket_mb=25.0,
-                 grad_compression="none"),
-}
-# Without a CUDA GPU these replace the defaults the config file left as they are: the whole demo
-# then ends in minutes on a laptop.
-CPU_PRESET = {"model.n_layer": 2, "model.n_head": 4, "model.n_embd": 128, "train.seq_len": 128,
-              "train.global_batch_size": 32, "train.micro_batch_size": 16, "train.max_steps": 200,
-              "train.eval_every": 50, "train.eval_batches": 4, "optim.lr": 2e-3,
-              "optim.min_lr": 2e-4, "optim.warmup_steps": 20, "checkpoint.every": 100}
-PRESETS = {"cpu_preset": CPU_PRESET}  # the preset sections config.yaml may hold, built in
-OTHER_TRAINER = "train_fsdp.py"  # its knobs, refused here unless at their defaults, and why
-NOT_HERE = {"fsdp.reshard_after_forward": "an FSDP setting", "fsdp.cpu_offload": "an FSDP setting",
-            "fsdp.activation_checkpointing": "an FSDP setting",
-            "checkpoint.async_save": "sharded checkpoints are written in the background"}
-IGNORE_INDEX = -100  # a label the loss and the accuracy skip (F.cross_entropy's default)
-# Exit codes: 0 done; 1 a rank was lost (a restart may help); 2 a mistake to fix (no restart would)
-EXIT_STOPPED = 3  # stopped by a signal after a checkpoint: run the same command again to go on
-STOP_REPEAT_S = 60  # signals this soon after the first only repeat it: Slurm and torchrun both send
-
 
 @dataclass
 class Run:
@@ -441,17 +405,129 @@ def bf16_allreduce_hook(process_group, bucket):
         lambda future: buffer.copy_(future.value()[0]).div_(dist.get_world_size(process_group)))
 
 
+# -------------------------------------------------------------------- distributed init (section 2)
+
+def init_distributed(cfg, world_size, rank, use_cuda):
+    """One process group for the run (NCCL on GPUs, gloo on CPUs); returns this rank's device."""
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if use_cuda else \
+        torch.device("cpu")
+    if use_cuda:
+        # without it every rank would build its NCCL communicator on GPU 0
+        torch.cuda.set_device(device)
+    backend = cfg.dist.backend if cfg.dist.backend != "auto" else ("nccl" if use_cuda else "gloo")
+    timeout = timedelta(seconds=cfg.dist.timeout_s)
+    if "RANK" not in os.environ:  # no torchrun: a group of one, so that the code has one path
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timeout)
+        return device
+    # torchrun's store outlives restarts: a restarted rank could read an address a dead rank left
+    # there. On one node every rank knows the attempt number, so each attempt gets keys of its own.
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun hosts it
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                          is_master=rank == 0 and not agent_store, timeout=timeout)
+    if int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) == world_size:
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.PrefixStore(f"attempt_{attempt}", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
+                            device_id=device if use_cuda else None)
+    return device
+
+
+def on_rank0(function, *args, share_result=True):
+    """Run `function` on rank 0 alone and hand its result to every rank (share_result=False: the
+    others get None); if it fails, every rank stops with its message: a failure on rank 0 alone
+    would leave the others waiting in their next collective until the timeout."""
+    result, outcome = None, [None, None]
+    if dist.get_rank() == 0:
+        try:
+            result = function(*args)
+        except UserError as error:
+            outcome[1] = str(error)
+        outcome[0] = result if share_result else None
+    dist.broadcast_object_list(outcome, src=0)
+    if outcome[1]:
+        die(outcome[1])
+    return result if dist.get_rank() == 0 else outcome[0]
+
+
+def on_all_ranks(function, *args):
+    """Run `function` on every rank; if it fails on any, every rank stops and rank 0 prints that
+    rank's message (a file that only one node cannot read would otherwise be reported by nobody)."""
+    result, error = None, None
+    try:
+        result = function(*args)
+    except UserError as failure:
+        error = str(failure)
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    failed = [(failed_rank, message) for failed_rank, message in enumerate(errors) if message]
+    if failed:
+        die(failed[0][1] if dist.get_world_size() == 1 else f"rank {failed[0][0]}: {failed[0][1]}")
+    return result
+
+
+# ---------------------------------------------------------------------- the batch plan (section 3)
+
+_permutation_cache = {}
+
+
+def epoch_permutation(seed, epoch, num_samples):
+    """The sample order of one epoch: a function of (seed, epoch) alone, not of rank or world."""
+    key = (seed, epoch, num_samples)
+    if key not in _permutation_cache:
+        _permutation_cache.clear()  # keep one epoch; a batch across two recomputes the previous
+        _permutation_cache[key] = np.random.default_rng([seed, epoch]).permutation(num_samples)
+    return _permutation_cache[key]
+
+
+def global_batch(position, global_batch_size, num_samples, seed):
+    """The sample ids and epochs of the global batch at `position`: the samples consumed so far over
+    all ranks and epochs, so a run resumed on another number of ranks goes on with exactly the
+    samples the old run would have seen. seed=None reads samples in order (validation)."""
+    epochs, indices = np.divmod(np.arange(position, position + global_batch_size), num_samples)
+    sample_ids = indices if seed is None else np.array(
+        [epoch_permutation(seed, e, num_samples)[i] for e, i in zip(epochs, indices)])
+    return sample_ids, epochs
+
+
+def deal(sample_ids, epochs, micro_batch_size, world_size):
+    """Dealt round-robin: plan[rank] = [(sample_ids, epochs), ...] in accumulation order."""
+    micro_batches = [(sample_ids[k:k + micro_batch_size], epochs[k:k + micro_batch_size])
+                     for k in range(0, len(sample_ids), micro_batch_size)]
+    return [micro_batches[rank::world_size] for rank in range(world_size)]
+
+
+def step_batches(setup, position):
+    """This rank's micro-batches of the training step that starts at sample `position`."""
+    batches = rank_batches(setup.train_data, position, setup.cfg.train.seed, setup.cfg,
+                           dist.get_world_size(), dist.get_rank(), setup.device)
+    stage_tiered(setup.raw_model, setup.train_data, position, batches, setup.cfg)  # tiered
+    return batches
+
+
+def rank_batches(split_data, position, shuffle_seed, cfg, world_size, rank, device):
+    """This rank's micro-batches of the global batch at sample `position`, and the input and label
+    token counts of the whole global batch and each micro-batch's sample lengths (for its FLOPs):
+    every rank computes these alike from the shared plan."""
+    plan = split_data.plan(position, shuffle_seed, cfg, world_size)
+    lengths = [[split_data.length(int(i)) for i in ids]
+               for rank_plan in plan for ids, _ in rank_plan]
+    micro_batches = [split_data.micro_batch(ids, epochs, cfg, device) for ids, epochs in plan[rank]]
+    label_tokens = split_data.label_count(plan, lengths, cfg)
+    return micro_batches, sum(map(sum, lengths)), label_tokens, lengths
+
+
+def on_device(batch, device):
+    """A micro-batch on the device: the model's inputs and labels, and the input ids on the host."""
+    host_input_ids = batch["input_ids"]  # kept on the host: what it holds is known without a wait
+    if device.type == "cuda":  # a copy from pageable memory makes the host wait; from pinned not
+        batch = {key: None if value is None else value.pin_memory().to(device, non_blocking=True)
+                 for key, value in batch.items()}
+    labels = batch.pop("labels")
+    return {"inputs": batch, "labels": labels, "host_input_ids": host_input_ids}
+
+
 # ---------------------------------------------------------------------- the checkpoint (section 6)
-
-CHECKPOINT_FILES = ["model.pt", "optimizer.pt", "train_state.pt", "checksums.json"]
-# keys a resumed run must share with its checkpoint (they shape the model), and the value a
-# checkpoint written before the key existed had
-MODEL_KEYS = {"model.type": None, "model.n_layer": None, "model.n_head": None,
-              "model.n_embd": None, "model.pretrained": None, "model.intermediate_size": 0,
-              "model.tie_word_embeddings": "auto", "model.embedding_gpu_rows": 0}
-LOAD_ERRORS = (OSError, RuntimeError, KeyError, ValueError, EOFError, TypeError,
-               pickle.UnpicklingError)
-
 
 def save_checkpoint(setup, run, optimizer, scheduler, scaler):
     """Rank 0 writes the whole state: model, optimizer and train_state()."""
@@ -517,52 +593,6 @@ def publish(temporary, final, keep):
         shutil.rmtree(old)
 
 
-def cannot_write(ckpt_dir, error, needed):
-    """The one line for a checkpoint that could not be written, with the disk's free space."""
-    free = shutil.disk_usage(ckpt_dir).free if ckpt_dir.exists() else 0
-    return (f"cannot write checkpoint to {ckpt_dir} ({first_line(error)}): {free / 2**20:,.1f} MiB "
-            f"free there, a checkpoint needs about {needed / 2**20:,.1f} MiB -> free disk space or "
-            "set checkpoint.dir; the newest complete checkpoint is untouched")
-
-
-def tensor_bytes(state):
-    """The bytes of every tensor in a nested state dict."""
-    if torch.is_tensor(state):
-        return state.numel() * state.element_size()
-    if isinstance(state, dict):
-        state = list(state.values())
-    return sum(tensor_bytes(part) for part in state) if isinstance(state, (list, tuple)) else 0
-
-
-def hold_directory(ckpt_dir, writing):
-    """Hold ckpt_dir for this run: an advisory lock on its .lock file, which the system releases
-    when the process ends however it ends, so a second run on it stops before it touches anything
-    and a dead holder never blocks. Returns the open file (the lock lasts as long as it)."""
-    if not writing and not ckpt_dir.is_dir():
-        return None
-    try:
-        ckpt_dir.mkdir(parents=True, exist_ok=True)
-        lock = open(ckpt_dir / ".lock", "a+")
-    except OSError as error:
-        die(f"cannot write to checkpoint.dir={ckpt_dir} ({error}) -> set checkpoint.dir to a "
-            "writable directory")
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        lock.seek(0)
-        holder = lock.read().strip() or "holder unknown"
-        die(f"{ckpt_dir} is in use by another run ({holder}) -> wait for it to end or stop it, or "
-            "give this run another checkpoint.dir")
-    except OSError as error:  # a filesystem without locks
-        log0(f"warning: cannot lock {ckpt_dir} ({first_line(error)}): two runs on it at once would "
-             "damage each other's checkpoints")
-        return lock
-    lock.truncate(0)
-    lock.write(f"host {socket.gethostname()}, PID {os.getpid()}, since {time.strftime('%c')}\n")
-    lock.flush()
-    return lock
-
-
 def resume(resume_dir, raw_model, optimizer, scheduler, scaler, cfg, meta):
     """Load a checkpoint into the model, optimizer, schedule and scaler; returns its Run."""
     state = on_all_ranks(load_train_state, resume_dir, scheduler, scaler, cfg, meta)
@@ -620,165 +650,79 @@ def load_weights(path, raw_model, optimizer):
             "another step_* directory, or use a new checkpoint.dir")
 
 
-def find_resume_checkpoint(ckpt_dir, resume):
-    """resume=auto: the newest intact checkpoint (the `latest` pointer first, then newest to oldest:
-    a damaged one is passed over, and the log says so); never; or a path, which must be intact."""
-    for leftover in [*ckpt_dir.glob(".tmp-step_*"), *ckpt_dir.glob(".latest-*")]:
-        log0(f"removing {leftover}, left by a run that stopped while writing a checkpoint")
-        shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
-    existing = complete_checkpoints(ckpt_dir)
-    if resume == "never" and existing:
-        die(f"{ckpt_dir} already holds checkpoints ({existing[-1].name}) and "
-            "checkpoint.resume=never would overwrite them -> continue with checkpoint.resume=auto "
-            "or choose another checkpoint.dir")
-    if resume in ("auto", "never"):
-        pointer = ckpt_dir / "latest"
-        pointed = [ckpt_dir / pointer.read_text().strip()] if pointer.is_file() else []
-        for candidate in [p for p in pointed if is_complete(p)] + existing[::-1]:
-            damage = checksum_mismatch(candidate)
-            if damage is None:
-                return candidate
-            log0(f"warning: {candidate} is damaged ({damage}); trying the next older checkpoint")
-        if existing:
-            die(f"every checkpoint in {ckpt_dir} is damaged -> move them away to start afresh, or "
-                "restore one")
-        return None
-    if not is_complete(Path(resume)):
-        die(f"checkpoint.resume={resume} is not a complete checkpoint directory (needs "
-            f"{', '.join(CHECKPOINT_FILES)}) -> give a step_* directory, auto or never")
-    damage = checksum_mismatch(Path(resume))
-    if damage:
-        die(f"checkpoint.resume={resume} is damaged ({damage}) -> give another step_* directory")
-    newer = [p.name for p in existing if step_of(p) > step_of(Path(resume))]
-    if newer:  # this run's checkpoints would interleave with them, and pruning could delete them
-        die(f"{ckpt_dir} holds checkpoints newer than {resume} ({', '.join(newer)}) -> set "
-            "checkpoint.dir to another directory for this run")
-    return Path(resume)
+# -------------------------------------------------------------------------- validation (section 7)
+
+def validate(model, val_data, setup, step):
+    """The mean loss per label and the top-1 accuracy over the same validation batches every time,
+    each rank doing its share: rank 0 alone would be world_size times slower, and would hang the
+    others if the forward communicates (FSDP all-gathers weights) or outlasts dist.timeout_s."""
+    model.eval()
+    batches = val_data.validation_batches(setup.cfg)
+    global_batch = setup.cfg.train.global_batch_size
+    sums = torch.zeros(3, device=setup.device, dtype=torch.float64)  # loss, correct, labels
+    with torch.no_grad():
+        for batch_index in range(batches):
+            micro_batches = rank_batches(val_data, (batch_index * global_batch) % len(val_data),
+                                         None, setup.cfg, dist.get_world_size(), dist.get_rank(),
+                                         setup.device)[0]
+            for batch in micro_batches:
+                with setup.autocast:
+                    logits = model(**batch["inputs"]).logits
+                counted = batch["labels"] != IGNORE_INDEX
+                sums[0] += token_loss_sum(logits, batch["labels"])
+                sums[1] += ((logits.argmax(-1) == batch["labels"]) & counted).sum()
+                sums[2] += counted.sum()
+    dist.all_reduce(sums)
+    model.train()
+    loss_sum, correct, labels = sums.tolist()
+    val_loss, val_accuracy = loss_sum / max(1, labels), correct / max(1, labels)
+    log0(f"step {step} | val loss {val_loss:.4f} | accuracy {100 * val_accuracy:.2f}%")
+    write_metrics(setup, {"kind": "val", "step": step, "val_loss": val_loss,
+                        "val_accuracy": val_accuracy})
 
 
-def step_dir(ckpt_dir, step):
-    return ckpt_dir / f"step_{step:06d}"
+# ==================================================== below this, reference machinery you may skip
+# (config parsing, errors, logging, exporters, the checkpoint protocol's safety details)
 
 
-def step_of(path):
-    """A step_* directory's step as a number: as strings step_999900 sorts after step_1000000, and
-    pruning would then delete the newest checkpoints."""
-    match = re.fullmatch(r"step_(\d+)", path.name)
-    return int(match.group(1)) if match else -1
+# ----------------------------------------------------------------------------- 1. config
 
+# Every knob and its default (an optional part adds its own in its block); config.yaml holds the
+# same values, each with the reason for it.
+DEFAULTS = {
+    "out_dir": "out", "export": True,
+    "model": dict(type="gpt2", pretrained="", n_layer=12, n_head=12, n_embd=768,
+                  intermediate_size=0, dropout=0.0, attention="auto", tie_word_embeddings="auto",
+                  embedding_gpu_rows=0),
+    "data": dict(dir="data/stdlib", vocab_size=8192, val_fraction=0.02),
+    "train": dict(seq_len=1024, global_batch_size=64, micro_batch_size=32, max_steps=300,
+                  precision="auto", compile="auto", seed=1337, eval_every=100, eval_batches=8,
+                  max_bad_steps=10),
+    "optim": dict(lr=6e-4, min_lr=6e-5, warmup_steps=50, weight_decay=0.1, beta1=0.9, beta2=0.95,
+                  eps=1e-8, grad_clip=1.0),
+    "checkpoint": dict(dir="out/checkpoints", every=100, keep=2, resume="auto", async_save=False),
+    "log": dict(every=10, sample_prompt="def ", sample_tokens=64, peak_tflops=0, tensorboard=True,
+                prometheus_port=0, gpu_util=True),
+    "fsdp": dict(reshard_after_forward=True, activation_checkpointing=False, cpu_offload=False),
+    "dist": dict(backend="auto", timeout_s=600, reducer="torch", bucket_mb=25.0,
+                 grad_compression="none"),
+}
+# Without a CUDA GPU these replace the defaults the config file left as they are: the whole demo
+# then ends in minutes on a laptop.
+CPU_PRESET = {"model.n_layer": 2, "model.n_head": 4, "model.n_embd": 128, "train.seq_len": 128,
+              "train.global_batch_size": 32, "train.micro_batch_size": 16, "train.max_steps": 200,
+              "train.eval_every": 50, "train.eval_batches": 4, "optim.lr": 2e-3,
+              "optim.min_lr": 2e-4, "optim.warmup_steps": 20, "checkpoint.every": 100}
+PRESETS = {"cpu_preset": CPU_PRESET}  # the preset sections config.yaml may hold, built in
+OTHER_TRAINER = "train_fsdp.py"  # its knobs, refused here unless at their defaults, and why
+NOT_HERE = {"fsdp.reshard_after_forward": "an FSDP setting", "fsdp.cpu_offload": "an FSDP setting",
+            "fsdp.activation_checkpointing": "an FSDP setting",
+            "checkpoint.async_save": "sharded checkpoints are written in the background"}
+IGNORE_INDEX = -100  # a label the loss and the accuracy skip (F.cross_entropy's default)
+# Exit codes: 0 done; 1 a rank was lost (a restart may help); 2 a mistake to fix (no restart would)
+EXIT_STOPPED = 3  # stopped by a signal after a checkpoint: run the same command again to go on
+STOP_REPEAT_S = 60  # signals this soon after the first only repeat it: Slurm and torchrun both send
 
-def is_complete(path):
-    return path.is_dir() and all((path / name).is_file() for name in CHECKPOINT_FILES)
-
-
-def complete_checkpoints(ckpt_dir):
-    """The complete step_* directories of ckpt_dir, oldest first."""
-    return sorted((p for p in ckpt_dir.glob("step_*") if step_of(p) >= 0 and is_complete(p)),
-                  key=step_of)
-
-
-def file_checksum(path):
-    """CRC-32 of a file: it catches truncated and bit-flipped files (not forgery: what protects
-    against a malicious file is that loading never runs pickled code)."""
-    checksum = 0
-    with open(path, "rb") as file:
-        while piece := file.read(1 << 24):
-            checksum = zlib.crc32(piece, checksum)
-    return checksum
-
-
-def write_checksums(directory, names, known=None):
-    """checksums.json: the CRC-32 of each named file (known: ones computed elsewhere), synced."""
-    with open(directory / "checksums.json", "w") as file:
-        json.dump({**(known or {}), **{name: file_checksum(directory / name) for name in names}},
-                  file)
-        file.flush()
-        os.fsync(file.fileno())
-
-
-def checksum_mismatch(path):
-    """None if every file listed in path/checksums.json has its checksum, else what is wrong."""
-    try:
-        for name, expected in json.loads((path / "checksums.json").read_text()).items():
-            if not (path / name).is_file():
-                return f"{name} is missing"
-            if file_checksum(path / name) != expected:
-                return f"{name} does not match its checksum"
-    except (OSError, ValueError, AttributeError) as error:
-        return f"checksums.json is unreadable: {first_line(error)}"
-    return None
-
-
-def fsync_dir(path):
-    """A rename or a new file is durable only once its directory is synced too (POSIX)."""
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
-
-
-def check_shared_directory(ckpt_dir):
-    """Rank 0 writes a file of random name and content into ckpt_dir; every rank must find it."""
-    def write_marker():
-        try:
-            ckpt_dir.mkdir(parents=True, exist_ok=True)
-            (ckpt_dir / f".shared-{token}").write_text(token)
-        except OSError as error:
-            die(f"cannot write to checkpoint.dir={ckpt_dir} ({error}) -> set checkpoint.dir to a "
-                "writable directory")
-
-    def check_marker():
-        marker = ckpt_dir / f".shared-{token}"
-        if not marker.is_file() or marker.read_text() != token:
-            die(f"checkpoint.dir={ckpt_dir} is not the directory rank 0 writes to (its marker file "
-                "is not there) -> put checkpoint.dir on a filesystem every node mounts at the same "
-                "path")
-
-    token = on_rank0(secrets.token_hex, 8)
-    on_rank0(write_marker)
-    on_all_ranks(check_marker)
-    on_rank0((ckpt_dir / f".shared-{token}").unlink)
-
-
-def apply_settings(optimizer, scheduler, cfg, step):
-    """After a resume, this run's optimizer settings win over the checkpoint's."""
-    for group, weight_decay in zip(optimizer.param_groups, [cfg.optim.weight_decay, 0.0]):
-        group.update(betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps,
-                     initial_lr=cfg.optim.lr, weight_decay=weight_decay,
-                     lr=cfg.optim.lr * lr_factor(step, cfg))
-    scheduler.base_lrs = [cfg.optim.lr] * len(optimizer.param_groups)
-
-
-def changed_settings(saved_config, cfg):
-    """`key old -> new` for the training settings that differ from the checkpoint's."""
-    not_a_change = ("out_dir", "export", "data.dir", "checkpoint.", "log.", "dist.")
-    return [f"{key} {saved_config[key]} -> {value}" for key, value in config_dict(cfg).items()
-            if key in saved_config and saved_config[key] != value
-            and not key.startswith(not_a_change)]
-
-
-def weights_are_finite(raw_model):
-    """One wait for the GPU; only before a checkpoint or the export."""
-    return bool(torch.stack([torch.isfinite(p).all() for p in raw_model.parameters()]).all())
-
-
-def rng_state():
-    cuda = {"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {}
-    return {"torch": torch.get_rng_state(), **cuda}
-
-
-def restore_rng(saved_states, rank, seed, step):
-    """Each rank continues its own dropout stream; ranks the old run did not have get a new seed."""
-    if rank >= len(saved_states):
-        new_seed = np.random.SeedSequence([seed, rank, step]).generate_state(1)[0]
-        return torch.manual_seed(int(new_seed))
-    torch.set_rng_state(saved_states[rank]["torch"].cpu())
-    if "cuda" in saved_states[rank] and torch.cuda.is_available():
-        torch.cuda.set_rng_state(saved_states[rank]["cuda"].cpu())
-
-
-# ---------------------------------------------------------- the other sections' helpers: 1. config
 
 CHOICES = {
     "model.attention": ["auto", "flash_attention_2", "sdpa", "eager"],
@@ -998,32 +942,6 @@ def check_config(cfg, world_size):
 
 # ----------------------------------------------------------------------------- 2. distributed init
 
-def init_distributed(cfg, world_size, rank, use_cuda):
-    """One process group for the run (NCCL on GPUs, gloo on CPUs); returns this rank's device."""
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if use_cuda else \
-        torch.device("cpu")
-    if use_cuda:
-        # without it every rank would build its NCCL communicator on GPU 0
-        torch.cuda.set_device(device)
-    backend = cfg.dist.backend if cfg.dist.backend != "auto" else ("nccl" if use_cuda else "gloo")
-    timeout = timedelta(seconds=cfg.dist.timeout_s)
-    if "RANK" not in os.environ:  # no torchrun: a group of one, so that the code has one path
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                                timeout=timeout)
-        return device
-    # torchrun's store outlives restarts: a restarted rank could read an address a dead rank left
-    # there. On one node every rank knows the attempt number, so each attempt gets keys of its own.
-    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun hosts it
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
-                          is_master=rank == 0 and not agent_store, timeout=timeout)
-    if int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) == world_size:
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        store = dist.PrefixStore(f"attempt_{attempt}", store)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
-                            device_id=device if use_cuda else None)
-    return device
-
-
 def choose_precision(requested, device):
     if requested == "fp16" and device.type != "cuda":
         die("train.precision=fp16 needs a CUDA GPU (GradScaler) -> use fp32 or bf16 on a CPU")
@@ -1063,39 +981,6 @@ def unloadable(error):
 def log0(*values):
     if int(os.environ.get("RANK", "0")) == 0:
         print(*values, flush=True)
-
-
-def on_rank0(function, *args, share_result=True):
-    """Run `function` on rank 0 alone and hand its result to every rank (share_result=False: the
-    others get None); if it fails, every rank stops with its message: a failure on rank 0 alone
-    would leave the others waiting in their next collective until the timeout."""
-    result, outcome = None, [None, None]
-    if dist.get_rank() == 0:
-        try:
-            result = function(*args)
-        except UserError as error:
-            outcome[1] = str(error)
-        outcome[0] = result if share_result else None
-    dist.broadcast_object_list(outcome, src=0)
-    if outcome[1]:
-        die(outcome[1])
-    return result if dist.get_rank() == 0 else outcome[0]
-
-
-def on_all_ranks(function, *args):
-    """Run `function` on every rank; if it fails on any, every rank stops and rank 0 prints that
-    rank's message (a file that only one node cannot read would otherwise be reported by nobody)."""
-    result, error = None, None
-    try:
-        result = function(*args)
-    except UserError as failure:
-        error = str(failure)
-    errors = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    failed = [(failed_rank, message) for failed_rank, message in enumerate(errors) if message]
-    if failed:
-        die(failed[0][1] if dist.get_world_size() == 1 else f"rank {failed[0][0]}: {failed[0][1]}")
-    return result
 
 
 # ----------------------------------------------------------------------------- 3. data
@@ -1230,65 +1115,6 @@ class ArrowTokens:
         length = cfg.train.seq_len
         return model_flops_counter(raw_model, lambda lengths: (len(lengths) * length,
                                                                len(lengths) * length * length / 2))
-
-
-_permutation_cache = {}
-
-
-def epoch_permutation(seed, epoch, num_samples):
-    """The sample order of one epoch: a function of (seed, epoch) alone, not of rank or world."""
-    key = (seed, epoch, num_samples)
-    if key not in _permutation_cache:
-        _permutation_cache.clear()  # keep one epoch; a batch across two recomputes the previous
-        _permutation_cache[key] = np.random.default_rng([seed, epoch]).permutation(num_samples)
-    return _permutation_cache[key]
-
-
-def global_batch(position, global_batch_size, num_samples, seed):
-    """The sample ids and epochs of the global batch at `position`: the samples consumed so far over
-    all ranks and epochs, so a run resumed on another number of ranks goes on with exactly the
-    samples the old run would have seen. seed=None reads samples in order (validation)."""
-    epochs, indices = np.divmod(np.arange(position, position + global_batch_size), num_samples)
-    sample_ids = indices if seed is None else np.array(
-        [epoch_permutation(seed, e, num_samples)[i] for e, i in zip(epochs, indices)])
-    return sample_ids, epochs
-
-
-def deal(sample_ids, epochs, micro_batch_size, world_size):
-    """Dealt round-robin: plan[rank] = [(sample_ids, epochs), ...] in accumulation order."""
-    micro_batches = [(sample_ids[k:k + micro_batch_size], epochs[k:k + micro_batch_size])
-                     for k in range(0, len(sample_ids), micro_batch_size)]
-    return [micro_batches[rank::world_size] for rank in range(world_size)]
-
-
-def step_batches(setup, position):
-    """This rank's micro-batches of the training step that starts at sample `position`."""
-    batches = rank_batches(setup.train_data, position, setup.cfg.train.seed, setup.cfg,
-                           dist.get_world_size(), dist.get_rank(), setup.device)
-    stage_tiered(setup.raw_model, setup.train_data, position, batches, setup.cfg)  # tiered
-    return batches
-
-
-def rank_batches(split_data, position, shuffle_seed, cfg, world_size, rank, device):
-    """This rank's micro-batches of the global batch at sample `position`, and the input and label
-    token counts of the whole global batch and each micro-batch's sample lengths (for its FLOPs):
-    every rank computes these alike from the shared plan."""
-    plan = split_data.plan(position, shuffle_seed, cfg, world_size)
-    lengths = [[split_data.length(int(i)) for i in ids]
-               for rank_plan in plan for ids, _ in rank_plan]
-    micro_batches = [split_data.micro_batch(ids, epochs, cfg, device) for ids, epochs in plan[rank]]
-    label_tokens = split_data.label_count(plan, lengths, cfg)
-    return micro_batches, sum(map(sum, lengths)), label_tokens, lengths
-
-
-def on_device(batch, device):
-    """A micro-batch on the device: the model's inputs and labels, and the input ids on the host."""
-    host_input_ids = batch["input_ids"]  # kept on the host: what it holds is known without a wait
-    if device.type == "cuda":  # a copy from pageable memory makes the host wait; from pinned not
-        batch = {key: None if value is None else value.pin_memory().to(device, non_blocking=True)
-                 for key, value in batch.items()}
-    labels = batch.pop("labels")
-    return {"inputs": batch, "labels": labels, "host_input_ids": host_input_ids}
 
 
 def token_loss_sum(logits, labels):
@@ -1538,6 +1364,222 @@ def report_memory(setup, step, optimizer, predicted):
                      for kind, size in sorted(embedding.items())))
 
 
+# -------------------------------------------------------------- 6. the checkpoint's safety details
+
+CHECKPOINT_FILES = ["model.pt", "optimizer.pt", "train_state.pt", "checksums.json"]
+# keys a resumed run must share with its checkpoint (they shape the model), and the value a
+# checkpoint written before the key existed had
+MODEL_KEYS = {"model.type": None, "model.n_layer": None, "model.n_head": None,
+              "model.n_embd": None, "model.pretrained": None, "model.intermediate_size": 0,
+              "model.tie_word_embeddings": "auto", "model.embedding_gpu_rows": 0}
+LOAD_ERRORS = (OSError, RuntimeError, KeyError, ValueError, EOFError, TypeError,
+               pickle.UnpicklingError)
+
+
+def cannot_write(ckpt_dir, error, needed):
+    """The one line for a checkpoint that could not be written, with the disk's free space."""
+    free = shutil.disk_usage(ckpt_dir).free if ckpt_dir.exists() else 0
+    return (f"cannot write checkpoint to {ckpt_dir} ({first_line(error)}): {free / 2**20:,.1f} MiB "
+            f"free there, a checkpoint needs about {needed / 2**20:,.1f} MiB -> free disk space or "
+            "set checkpoint.dir; the newest complete checkpoint is untouched")
+
+
+def tensor_bytes(state):
+    """The bytes of every tensor in a nested state dict."""
+    if torch.is_tensor(state):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        state = list(state.values())
+    return sum(tensor_bytes(part) for part in state) if isinstance(state, (list, tuple)) else 0
+
+
+def hold_directory(ckpt_dir, writing):
+    """Hold ckpt_dir for this run: an advisory lock on its .lock file, which the system releases
+    when the process ends however it ends, so a second run on it stops before it touches anything
+    and a dead holder never blocks. Returns the open file (the lock lasts as long as it)."""
+    if not writing and not ckpt_dir.is_dir():
+        return None
+    try:
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        lock = open(ckpt_dir / ".lock", "a+")
+    except OSError as error:
+        die(f"cannot write to checkpoint.dir={ckpt_dir} ({error}) -> set checkpoint.dir to a "
+            "writable directory")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "holder unknown"
+        die(f"{ckpt_dir} is in use by another run ({holder}) -> wait for it to end or stop it, or "
+            "give this run another checkpoint.dir")
+    except OSError as error:  # a filesystem without locks
+        log0(f"warning: cannot lock {ckpt_dir} ({first_line(error)}): two runs on it at once would "
+             "damage each other's checkpoints")
+        return lock
+    lock.truncate(0)
+    lock.write(f"host {socket.gethostname()}, PID {os.getpid()}, since {time.strftime('%c')}\n")
+    lock.flush()
+    return lock
+
+
+def find_resume_checkpoint(ckpt_dir, resume):
+    """resume=auto: the newest intact checkpoint (the `latest` pointer first, then newest to oldest:
+    a damaged one is passed over, and the log says so); never; or a path, which must be intact."""
+    for leftover in [*ckpt_dir.glob(".tmp-step_*"), *ckpt_dir.glob(".latest-*")]:
+        log0(f"removing {leftover}, left by a run that stopped while writing a checkpoint")
+        shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
+    existing = complete_checkpoints(ckpt_dir)
+    if resume == "never" and existing:
+        die(f"{ckpt_dir} already holds checkpoints ({existing[-1].name}) and "
+            "checkpoint.resume=never would overwrite them -> continue with checkpoint.resume=auto "
+            "or choose another checkpoint.dir")
+    if resume in ("auto", "never"):
+        pointer = ckpt_dir / "latest"
+        pointed = [ckpt_dir / pointer.read_text().strip()] if pointer.is_file() else []
+        for candidate in [p for p in pointed if is_complete(p)] + existing[::-1]:
+            damage = checksum_mismatch(candidate)
+            if damage is None:
+                return candidate
+            log0(f"warning: {candidate} is damaged ({damage}); trying the next older checkpoint")
+        if existing:
+            die(f"every checkpoint in {ckpt_dir} is damaged -> move them away to start afresh, or "
+                "restore one")
+        return None
+    if not is_complete(Path(resume)):
+        die(f"checkpoint.resume={resume} is not a complete checkpoint directory (needs "
+            f"{', '.join(CHECKPOINT_FILES)}) -> give a step_* directory, auto or never")
+    damage = checksum_mismatch(Path(resume))
+    if damage:
+        die(f"checkpoint.resume={resume} is damaged ({damage}) -> give another step_* directory")
+    newer = [p.name for p in existing if step_of(p) > step_of(Path(resume))]
+    if newer:  # this run's checkpoints would interleave with them, and pruning could delete them
+        die(f"{ckpt_dir} holds checkpoints newer than {resume} ({', '.join(newer)}) -> set "
+            "checkpoint.dir to another directory for this run")
+    return Path(resume)
+
+
+def step_dir(ckpt_dir, step):
+    return ckpt_dir / f"step_{step:06d}"
+
+
+def step_of(path):
+    """A step_* directory's step as a number: as strings step_999900 sorts after step_1000000, and
+    pruning would then delete the newest checkpoints."""
+    match = re.fullmatch(r"step_(\d+)", path.name)
+    return int(match.group(1)) if match else -1
+
+
+def is_complete(path):
+    return path.is_dir() and all((path / name).is_file() for name in CHECKPOINT_FILES)
+
+
+def complete_checkpoints(ckpt_dir):
+    """The complete step_* directories of ckpt_dir, oldest first."""
+    return sorted((p for p in ckpt_dir.glob("step_*") if step_of(p) >= 0 and is_complete(p)),
+                  key=step_of)
+
+
+def file_checksum(path):
+    """CRC-32 of a file: it catches truncated and bit-flipped files (not forgery: what protects
+    against a malicious file is that loading never runs pickled code)."""
+    checksum = 0
+    with open(path, "rb") as file:
+        while piece := file.read(1 << 24):
+            checksum = zlib.crc32(piece, checksum)
+    return checksum
+
+
+def write_checksums(directory, names, known=None):
+    """checksums.json: the CRC-32 of each named file (known: ones computed elsewhere), synced."""
+    with open(directory / "checksums.json", "w") as file:
+        json.dump({**(known or {}), **{name: file_checksum(directory / name) for name in names}},
+                  file)
+        file.flush()
+        os.fsync(file.fileno())
+
+
+def checksum_mismatch(path):
+    """None if every file listed in path/checksums.json has its checksum, else what is wrong."""
+    try:
+        for name, expected in json.loads((path / "checksums.json").read_text()).items():
+            if not (path / name).is_file():
+                return f"{name} is missing"
+            if file_checksum(path / name) != expected:
+                return f"{name} does not match its checksum"
+    except (OSError, ValueError, AttributeError) as error:
+        return f"checksums.json is unreadable: {first_line(error)}"
+    return None
+
+
+def fsync_dir(path):
+    """A rename or a new file is durable only once its directory is synced too (POSIX)."""
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def check_shared_directory(ckpt_dir):
+    """Rank 0 writes a file of random name and content into ckpt_dir; every rank must find it."""
+    def write_marker():
+        try:
+            ckpt_dir.mkdir(parents=True, exist_ok=True)
+            (ckpt_dir / f".shared-{token}").write_text(token)
+        except OSError as error:
+            die(f"cannot write to checkpoint.dir={ckpt_dir} ({error}) -> set checkpoint.dir to a "
+                "writable directory")
+
+    def check_marker():
+        marker = ckpt_dir / f".shared-{token}"
+        if not marker.is_file() or marker.read_text() != token:
+            die(f"checkpoint.dir={ckpt_dir} is not the directory rank 0 writes to (its marker file "
+                "is not there) -> put checkpoint.dir on a filesystem every node mounts at the same "
+                "path")
+
+    token = on_rank0(secrets.token_hex, 8)
+    on_rank0(write_marker)
+    on_all_ranks(check_marker)
+    on_rank0((ckpt_dir / f".shared-{token}").unlink)
+
+
+def apply_settings(optimizer, scheduler, cfg, step):
+    """After a resume, this run's optimizer settings win over the checkpoint's."""
+    for group, weight_decay in zip(optimizer.param_groups, [cfg.optim.weight_decay, 0.0]):
+        group.update(betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps,
+                     initial_lr=cfg.optim.lr, weight_decay=weight_decay,
+                     lr=cfg.optim.lr * lr_factor(step, cfg))
+    scheduler.base_lrs = [cfg.optim.lr] * len(optimizer.param_groups)
+
+
+def changed_settings(saved_config, cfg):
+    """`key old -> new` for the training settings that differ from the checkpoint's."""
+    not_a_change = ("out_dir", "export", "data.dir", "checkpoint.", "log.", "dist.")
+    return [f"{key} {saved_config[key]} -> {value}" for key, value in config_dict(cfg).items()
+            if key in saved_config and saved_config[key] != value
+            and not key.startswith(not_a_change)]
+
+
+def weights_are_finite(raw_model):
+    """One wait for the GPU; only before a checkpoint or the export."""
+    return bool(torch.stack([torch.isfinite(p).all() for p in raw_model.parameters()]).all())
+
+
+def rng_state():
+    cuda = {"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {}
+    return {"torch": torch.get_rng_state(), **cuda}
+
+
+def restore_rng(saved_states, rank, seed, step):
+    """Each rank continues its own dropout stream; ranks the old run did not have get a new seed."""
+    if rank >= len(saved_states):
+        new_seed = np.random.SeedSequence([seed, rank, step]).generate_state(1)[0]
+        return torch.manual_seed(int(new_seed))
+    torch.set_rng_state(saved_states[rank]["torch"].cpu())
+    if "cuda" in saved_states[rank] and torch.cuda.is_available():
+        torch.cuda.set_rng_state(saved_states[rank]["cuda"].cpu())
+
+
 # ----------------------------------------------------------------------------- 7. training loop
 
 class Interval:
@@ -1635,35 +1677,6 @@ def log_line(record, max_steps):
     minutes, seconds = divmod(int(record["eta_s"]), 60)
     hours, minutes = divmod(minutes, 60)
     return line + f" | ETA {f'{hours}h{minutes:02d}m' if hours else f'{minutes}m{seconds:02d}s'}"
-
-
-def validate(model, val_data, setup, step):
-    """The mean loss per label and the top-1 accuracy over the same validation batches every time,
-    each rank doing its share: rank 0 alone would be world_size times slower, and would hang the
-    others if the forward communicates (FSDP all-gathers weights) or outlasts dist.timeout_s."""
-    model.eval()
-    batches = val_data.validation_batches(setup.cfg)
-    global_batch = setup.cfg.train.global_batch_size
-    sums = torch.zeros(3, device=setup.device, dtype=torch.float64)  # loss, correct, labels
-    with torch.no_grad():
-        for batch_index in range(batches):
-            micro_batches = rank_batches(val_data, (batch_index * global_batch) % len(val_data),
-                                         None, setup.cfg, dist.get_world_size(), dist.get_rank(),
-                                         setup.device)[0]
-            for batch in micro_batches:
-                with setup.autocast:
-                    logits = model(**batch["inputs"]).logits
-                counted = batch["labels"] != IGNORE_INDEX
-                sums[0] += token_loss_sum(logits, batch["labels"])
-                sums[1] += ((logits.argmax(-1) == batch["labels"]) & counted).sum()
-                sums[2] += counted.sum()
-    dist.all_reduce(sums)
-    model.train()
-    loss_sum, correct, labels = sums.tolist()
-    val_loss, val_accuracy = loss_sum / max(1, labels), correct / max(1, labels)
-    log0(f"step {step} | val loss {val_loss:.4f} | accuracy {100 * val_accuracy:.2f}%")
-    write_metrics(setup, {"kind": "val", "step": step, "val_loss": val_loss,
-                        "val_accuracy": val_accuracy})
 
 
 def stop_message(cfg, step):
