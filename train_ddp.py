@@ -4,11 +4,15 @@
     bash launch.sh train_ddp.py model.type=vit       # a ViT on images (the digits by default)
     torchrun --nproc_per_node 8 train_ddp.py train.max_steps=1000 optim.lr=3e-4
 
-Read main() first: the seven sections of a run, a few lines each, and above it Run, all that a run
-changes as it trains. Then train_step(), one optimizer step, and after it the parallelism written
-out: wrap_model() (DDP, a reducer of ours, or none), NaiveReducer and InlineReducer (what DDP does
-for you). Checkpoints follow, then the helpers by section. Defaults are DEFAULTS below; config.yaml
-beside this file (or a .yaml path given first) and section.key=value arguments override them.
+Read it from the top down to the line "below this, reference machinery you may skip" (before
+line 700): that is the lesson. Run, all that a run changes as it trains; main(), the seven sections
+of a run, a few lines each; train_step(), one optimizer step; the parallelism written out:
+wrap_model() (DDP, a reducer of ours, or none), NaiveReducer and InlineReducer (what DDP does for
+you); then what main() still calls for the lesson: distributed init, the batch plan, the
+checkpoint's write and resume, validation. Below the line, the reference by main()'s sections:
+config (the defaults, DEFAULTS, first; config.yaml beside this file, or a .yaml path given first,
+and section.key=value arguments override them), errors, the data readers, model and optimizer
+helpers, the checkpoint's safety details, logging and exporters.
 Optional parts stand in blocks at the end, each with a few lines tagged for it: # MLM (masked-LM
 models such as BERT) and # images (ViT classification), each the reader of its data with its model
 and batches, # metrics (TensorBoard, Prometheus, NVML, the all-reduces timed), # tiered (an input

@@ -11,10 +11,14 @@ after, and its gradients are reduce-scattered, so a rank ends a step with its ow
 The model is built on the meta device and filled from rank 0, so it never has to fit on one GPU;
 checkpoints are sharded (torch.distributed.checkpoint): every rank writes its part, and a checkpoint
 loads on any number of ranks. Pick FSDP when the weights, gradients and AdamW state (16 bytes per
-parameter) do not fit on one GPU. Read main(), train_step(), then shard_model() and the sharded
-checkpoint after it. Optional parts stand in blocks at the end, each with a few lines tagged for
-it: # MLM, # images, # metrics (TensorBoard, Prometheus, NVML), # fp8 and # FAULT (fault injection
-for the tests).
+parameter) do not fit on one GPU. The lesson runs from the top to the line "below this, reference
+machinery you may skip" (before line 700): Run, all that a run changes; main(), the seven sections
+of a run; train_step(), one step; FSDP's part: shard_model() and gradient_sync(); distributed init,
+the batch plan, the sharded checkpoint's write and resume, validation. Below it, the reference by
+main()'s sections: config (DEFAULTS first; config.yaml and section.key=value override them),
+errors, data readers, model and optimizer helpers, the checkpoint's safety details, logging,
+exporters. Optional parts stand in blocks at the end, each with a few lines tagged for it: # MLM,
+# images, # metrics (TensorBoard, Prometheus, NVML), # fp8 and # FAULT (fault injection for tests).
 """
 
 import contextlib
