@@ -424,6 +424,7 @@ def on_all_ranks(function, *args):
 
 
 # ---------------------------------------------------------------------- the batch plan (section 3)
+# ArrowTokens, the causal reader below the line, plans a batch with global_batch() and deal()
 
 _permutation_cache = {}
 
