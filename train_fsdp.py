@@ -692,7 +692,7 @@ def validate(model, val_data, setup, step):
     val_loss, val_accuracy = loss_sum / max(1, labels), correct / max(1, labels)
     log0(f"step {step} | val loss {val_loss:.4f} | accuracy {100 * val_accuracy:.2f}%")
     write_metrics(setup, {"kind": "val", "step": step, "val_loss": val_loss,
-                        "val_accuracy": val_accuracy})
+                          "val_accuracy": val_accuracy})
 
 
 # ==================================================== below this, reference machinery you may skip
