@@ -535,9 +535,8 @@ def tensor_bytes(state):
 
 
 def hold_directory(ckpt_dir, writing):
-    """Hold ckpt_dir for this run: an advisory lock on its .lock file, which the system releases
-    when the process ends however it ends, so a second run on it stops before it touches anything
-    and a dead holder never blocks. Returns the open file (the lock lasts as long as it)."""
+    """An advisory lock on ckpt_dir/.lock, released when the process ends however it ends: a
+    second run stops before it touches anything, a dead holder never blocks. Returns the file."""
     if not writing and not ckpt_dir.is_dir():
         return None
     try:
@@ -661,8 +660,7 @@ def step_dir(ckpt_dir, step):
 
 
 def step_of(path):
-    """A step_* directory's step as a number: as strings step_999900 sorts after step_1000000, and
-    pruning would then delete the newest checkpoints."""
+    """A step_* directory's step as a number: as strings step_999900 sorts after step_1000000."""
     match = re.fullmatch(r"step_(\d+)", path.name)
     return int(match.group(1)) if match else -1
 
@@ -678,8 +676,7 @@ def complete_checkpoints(ckpt_dir):
 
 
 def file_checksum(path):
-    """CRC-32 of a file: it catches truncated and bit-flipped files (not forgery: what protects
-    against a malicious file is that loading never runs pickled code)."""
+    """CRC-32 of a file: it catches truncated and bit-flipped files, not forgery."""
     checksum = 0
     with open(path, "rb") as file:
         while piece := file.read(1 << 24):
@@ -848,10 +845,8 @@ PREPROCESS_KEYS = {"data.vocab_size": "--vocab-size", "data.val_fraction": "--va
 
 
 def load_config(args, use_cuda):
-    """DEFAULTS, then config.yaml beside this file (or the .yaml given first), then key=value
-    arguments (of a key given twice, the last); each value must have the type of its default. A
-    preset (no GPU; or an optional part's) sets only keys that the file and the arguments left at
-    their defaults, and says which."""
+    """DEFAULTS, then config.yaml (or the .yaml given first), then key=value arguments; a preset
+    sets only the keys both left at their defaults, and says which."""
     defaults = flatten(DEFAULTS)
     flat, presets = dict(defaults), dict(PRESETS)
     config_path = Path(__file__).with_name("config.yaml")
@@ -1131,11 +1126,8 @@ def read_meta(data_dir, reader):
 
 
 class ArrowTokens:
-    """The samples of one split, read straight from memory-mapped Arrow files: the tokens are never
-    copied into memory as a whole (the epoch's permutation holds 8 bytes per sample, though). Every
-    row ends with end-of-text, so the flat values are the concatenated token stream, and sample i
-    is the block stream[i*L : i*L + L + 1] (inputs and shifted labels). The reader stands for its
-    task, a causal LM: its model, micro-batches, label count, FLOPs, export; other readers alike."""
+    """A split's samples from memory-mapped Arrow files: sample i is stream[i*L : i*L + L + 1] of
+    the token stream. A reader stands for its task (causal LM): model, batches, FLOPs, export."""
     task, kind, unit, model_class = "causal", "text", "tokens", AutoModelForCausalLM
     sdpa = "sdpa_causal"  # ours, without a mask: causal batches are never padded (choose_attention)
     prepare_command = staticmethod(prepare_command)
@@ -1389,9 +1381,8 @@ def build_model(cfg, reader, meta, device):
 
 
 def choose_attention(requested, device, sdpa, architecture=None):
-    """auto: FlashAttention-2 where flash_attn imports on a GPU of compute capability 8.0 or newer
-    (older GPUs fail at the first forward); else the reader's sdpa (ours: no mask, none padded);
-    eager for model classes transformers runs without SDPA (architecture: e.g. DeBERTa-v2's)."""
+    """auto: FlashAttention-2 where flash_attn imports on a GPU of compute capability 8.0+; else the
+    reader's sdpa; eager for model classes transformers runs without SDPA."""
     supports = {kind: getattr(architecture, f"_supports_{kind}", True)
                 for kind in ("sdpa", "flash_attn")}
     usable = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0) and \
@@ -1421,8 +1412,8 @@ def flash_attn_available():
 
 
 def repeated_blocks(model):
-    """The model's repeated layers (its transformer blocks): the members of its outermost
-    nn.ModuleLists, but none holding the input embedding (a tied output layer shares its weight)."""
+    """The members of the model's outermost nn.ModuleLists (its blocks), but none holding the input
+    embedding (a tied output layer shares its weight)."""
     embedding, blocks = model.get_input_embeddings(), []
     for module in model.modules():  # parents before children
         if isinstance(module, torch.nn.ModuleList) and not any(
@@ -1433,12 +1424,8 @@ def repeated_blocks(model):
 
 
 def model_flops_counter(raw_model, shape_of):
-    """A function from the sample lengths of each micro-batch to their model FLOPs, for MFU, where
-    shape_of(lengths) gives a micro-batch's positions computed (padding too) and query-key pairs:
-    PaLM's count (Chowdhery et al. 2022, app. B) with attention as computed here. Matmuls: 2 FLOPs
-    per multiply-add forward and two products of that size backward: 6 x matmul_params a position.
-    Attention (Q K^T and the weighted sum of V): 2 x 2 x width per query-key pair and layer forward,
-    x3 with backward. Not counted: norms, activations, softmax, lookups, the loss, recomputation."""
+    """Micro-batches' sample lengths -> model FLOPs (PaLM's count): 6 per matmul weight, position;
+    12 x width per query-key pair and layer; shape_of(lengths) gives (positions, pairs)."""
     matmul_params, config = count_matmul_params(raw_model), raw_model.config
     return lambda micro_batch_lengths: sum(
         6 * matmul_params * positions + 12 * config.num_hidden_layers * config.hidden_size * pairs
@@ -1446,8 +1433,7 @@ def model_flops_counter(raw_model, shape_of):
 
 
 def count_matmul_params(model):
-    """Parameters multiplied with every token: all but embedding lookups, plus the output layer when
-    it shares its weight with the input embedding (there it is a matmul)."""
+    """Parameters multiplied with every token: all but lookups, plus a tied output layer."""
     lookups = [m for m in model.modules() if isinstance(m, torch.nn.Embedding)]
     embedding_weights = {id(p): p.numel() for m in [*lookups, model.get_input_embeddings()]
                          for p in m.parameters(recurse=False)}
@@ -1488,8 +1474,7 @@ def state_tensors(parameters, optimizer):
 
 
 def memory_prediction(raw_model, device):
-    """Bytes this rank holds between steps, from the parameters' counts and dtypes: the weights, a
-    gradient like each trained one, and AdamW's two moments (made like the parameter)."""
+    """Bytes held between steps: weights, a gradient per trained one, AdamW's two moments."""
     weights = trained = 0
     for parameter in raw_model.parameters():
         local = parameter.to_local() if hasattr(parameter, "to_local") else parameter  # FSDP
@@ -1504,8 +1489,7 @@ def memory_prediction(raw_model, device):
 
 
 def report_memory(setup, step, optimizer, predicted):
-    """After an update: the prediction, the same summed from the tensors that exist (its check),
-    on a GPU the allocator's allocated, peak and reserved bytes, and the input embedding's share."""
+    """After an update: the prediction, its check from the tensors that exist, the allocator's."""
     def held(parameters):  # by device type; AdamW's "step", a 0-d tensor, is no part of it
         sizes = {}
         for tensor in (t for t in state_tensors(parameters, optimizer) if t.dim() > 0):
@@ -1541,8 +1525,7 @@ def report_memory(setup, step, optimizer, predicted):
 # ----------------------------------------------------------------------------- 7. training loop
 
 class Interval:
-    """What the log line sums over the steps since the last one, and its clock, which validation and
-    checkpoints (`with interval.paused():`) do not count as training time."""
+    """The log line's sums since the last one; its clock skips `with interval.paused():` spans."""
 
     def __init__(self, device):
         self.device = device
@@ -1679,11 +1662,8 @@ def stop_message(cfg, step):
 
 
 def catch_stop_signals(requested):
-    """SIGTERM (a scheduler's preemption; torchrun passes it on to every worker and kills them 30 s
-    later by default) and SIGINT (Ctrl-C) ask for a clean stop: the list `requested` gets the
-    signal's name and time, and every rank stops after the same step, with a checkpoint. Slurm
-    signals every process of a job step and torchrun passes its own on, so signals within
-    STOP_REPEAT_S of the first repeat it; a later one stops this process at once, without one."""
+    """SIGTERM and SIGINT ask for a clean stop after the same step on every rank, with a checkpoint;
+    signals within STOP_REPEAT_S of the first repeat it, a later one stops at once."""
 
     def on_signal(number, frame):
         if requested and time.monotonic() - requested[0][1] > STOP_REPEAT_S:
@@ -1700,8 +1680,7 @@ def catch_stop_signals(requested):
 
 
 def open_metrics(out_dir, step):
-    """metrics.jsonl, kept across restarts: records past `step`, the checkpoint this run resumes
-    from, go, since those steps run again."""
+    """metrics.jsonl, kept across restarts less the records past `step`: those steps run again."""
     path = out_dir / "metrics.jsonl"
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -1730,11 +1709,8 @@ def write_metrics(setup, record):
 
 
 class SpanTimer:
-    """The time of one recurring part of a step (building batches, waiting for the other ranks),
-    summed over a log interval without making the host wait for the GPU: `with timer:` around it. On
-    a GPU the host runs ahead, and what counts is what the GPU does meanwhile: two CUDA events on
-    its stream time the span as the GPU lives it (idle time included), read after the log line's
-    wait for the GPU. On a CPU each operation ends before the next starts: the host's clock does."""
+    """`with timer:` sums a span over a log interval without a wait for the GPU: on a GPU two CUDA
+    events time it as the GPU lives it (the host runs ahead); on a CPU the host's clock."""
 
     def __init__(self, device):
         self.on_gpu, self.host_s, self.recorded, self.spare = device.type == "cuda", 0.0, [], []
@@ -1817,8 +1793,7 @@ def export_final(raw_model, data_dir, meta, final_dir, cfg, device):
 
 
 def report_lost_ranks(error):
-    """A collective failed (a rank stopped answering for dist.timeout_s, or died): one line saying
-    which, and where the others can tell, which ranks stopped answering."""
+    """A collective failed: one line saying so and, where the store tells, which fell silent."""
     rank, text = dist.get_rank(), first_line(error)
     if "timed out" not in text.lower() and "timeout" not in text.lower():
         print(f"error: rank {rank} lost contact with another rank ({text}) -> look above for the "
@@ -1841,9 +1816,8 @@ def report_lost_ranks(error):
 # Per-sample random draws that # MLM and # images share: delete this block with the last of them.
 
 def sample_uniforms(seed, epochs, sample_ids, positions, use):
-    """A float in [0, 1) per (epoch, sample, position), broadcast, for one use (MLM: 0 masked?, 1
-    replaced by what, 2 which random token; images: 3 crop and flip): a vectorised hash (splitmix64)
-    of (seed, epoch, sample, position, use) alone, so no rank or micro-batch changes a draw."""
+    """A float in [0, 1) per (epoch, sample, position, use): a hash of them alone, so no rank or
+    micro-batch changes a draw (uses: MLM 0 masked?, 1 how, 2 which token; images 3)."""
     shape = np.broadcast_shapes(np.shape(epochs), np.shape(sample_ids), np.shape(positions))
     mixed = np.full(shape, seed, dtype=np.uint64)
     for part in (epochs, sample_ids, np.asarray(positions) * 4 + use):
@@ -1881,8 +1855,7 @@ def masked_lm_reader(cfg, reader):
 
 
 class MaskedTokens(ArrowTokens):
-    """A masked LM's samples: sample i is document i, truncated to L - 2 and framed as
-    [CLS] doc [SEP]; a micro-batch is padded and masked as BERT's (mask_tokens)."""
+    """Sample i is document i, cut to L - 2 as [CLS] doc [SEP]; padded and masked as BERT's."""
     task, model_class, sdpa = "mlm", transformers.AutoModelForMaskedLM, "sdpa"  # sdpa: it masks
 
     def __init__(self, data_dir, meta, split, seq_len):
@@ -1909,15 +1882,13 @@ class MaskedTokens(ArrowTokens):
         return piece, self.doc_offsets[piece], index - self.doc_starts[piece]
 
     def plan(self, position, seed, cfg, world_size):
-        """The global batch sorted by length before it is cut, so each micro-batch pads little; the
-        micro-batches are dealt round-robin, so every rank gets short and long ones."""
+        """Sorted by length before it is cut, so a micro-batch pads little; dealt round-robin."""
         sample_ids, epochs = global_batch(position, cfg.train.global_batch_size, len(self), seed)
         order = sorted(range(len(sample_ids)), key=lambda k: (self.length(sample_ids[k]), k))
         return deal(sample_ids[order], epochs[order], cfg.train.micro_batch_size, world_size)
 
     def micro_batch(self, sample_ids, epochs, cfg, device):
-        """Padded to seq_len (train.pad_to_multiple=0), or to its longest sample rounded up to a
-        multiple of it, with BERT's masking."""
+        """Padded to seq_len, or the longest rounded up to train.pad_to_multiple; BERT's masking."""
         samples = [self.sample(int(i)) for i in sample_ids]
         lengths = np.array([len(sample) for sample in samples])
         length = padded_length(lengths.max(), cfg.train.pad_to_multiple, self.seq_len)
@@ -1946,8 +1917,8 @@ class MaskedTokens(ArrowTokens):
 
     @staticmethod
     def flops_counter(raw_model, attention, cfg):
-        """A query sees every padded position of its micro-batch (SDPA, eager), or with
-        FlashAttention-2, which drops the padding before attention, its sample's only."""
+        """A query sees its micro-batch's padded positions; with FlashAttention-2 its own."""
+
         def shape_of(lengths):
             padded = padded_length(max(lengths), cfg.train.pad_to_multiple, cfg.train.seq_len)
             if attention == "flash_attention_2":
@@ -1964,9 +1935,7 @@ def masked_lm_loss(loss_of, cfg, reader):
 
 
 def dynamic_length(tensor):
-    """Mark dimension 1 (the length) dynamic, so one compiled graph serves every padded length.
-    Unmarked, Dynamo compiles the first length as a constant and again at the second. maybe_: a
-    torch that specializes the length anyway recompiles instead of failing."""
+    """Dimension 1 dynamic: one compiled graph for every padded length (maybe_: never fails)."""
     torch._dynamo.maybe_mark_dynamic(tensor, 1)
     return tensor
 
@@ -1991,8 +1960,7 @@ def mask_tokens(tokens, lengths, seed, epochs, sample_ids, special, vocab_size, 
 
 
 def masked_positions(seed, epochs, sample_ids, lengths, width, probability):
-    """Which positions BERT predicts, a row per sample: never [CLS] (position 0), [SEP] (length - 1)
-    or the padding after it; each other position with `probability`."""
+    """The positions BERT predicts: each with `probability`, never [CLS], [SEP] or padding."""
     positions = np.arange(width)
     candidates = (positions >= 1) & (positions <= lengths[:, None] - 2)
     uniforms = sample_uniforms(seed, epochs[:, None], sample_ids[:, None], positions, 0)
@@ -2025,8 +1993,8 @@ PRESETS.update(cpu_preset_images=CPU_PRESET_IMAGES, gpu_preset_digits=GPU_PRESET
 
 
 def image_preset(flat, name, preset, presets, use_cuda):
-    """An image model's preset and its name: data.dir the digits (the offline default images); for
-    a ViT without a GPU also the CPU preset's images part, with one on the digits the GPU's."""
+    """An image model's preset and name: data.dir the digits; for a ViT cpu_preset_images on a CPU,
+    gpu_preset_digits on a GPU with the digits."""
     if not image_model_type(flat["model.type"], flat["model.pretrained"]):
         return name, preset
     if flat["model.type"] == "vit" and not use_cuda:
@@ -2069,8 +2037,7 @@ def image_reader(cfg, reader):
 
 
 def vit_config(cfg, meta):
-    """A ViT of model.*'s shape for meta.json's images and classes, or model.pretrained's, with a
-    new classifier when the classes differ."""
+    """A ViT of model.*'s shape for meta.json's images and classes, or model.pretrained's."""
     size, classes = meta["image_size"], meta["classes"]
     labels = dict(num_labels=len(classes), id2label=dict(enumerate(classes)),
                   label2id={name: i for i, name in enumerate(classes)})
@@ -2097,8 +2064,7 @@ def vit_config(cfg, meta):
 
 
 def keep_or_renew_classifier(model, cfg, meta):
-    """A pretrained ViT keeps its classifier for the same class names in the same order; for any
-    others it gets a new one (from_pretrained would keep one of the same shape)."""
+    """A pretrained classifier stays for the same class names in order, else it starts anew."""
     pretrained = load_pretrained_config(cfg.model.pretrained)
     names, classes = [pretrained.id2label[i] for i in range(pretrained.num_labels)], meta["classes"]
     if names == classes:
@@ -2113,11 +2079,8 @@ def keep_or_renew_classifier(model, cfg, meta):
 
 
 def vit_flops_counter(raw_model, attention, cfg):
-    """Model FLOPs per image of a ViT's forward + backward, counted as model_flops_counter does:
-    each linear layer of the encoder multiplies every one of the P = patches + 1 (the class token)
-    positions, 6 FLOPs per weight; attention 12 x width per query-key pair and layer (P^2 pairs);
-    the patch projection 4 per weight and patch (the pixels need no gradient); the classifier reads
-    the class token alone."""
+    """A ViT's FLOPs per image as model_flops_counter counts them, over patches + 1 positions; the
+    patch projection 4 per weight (the pixels need no gradient), the classifier one position."""
     config = raw_model.config
     patches = (config.image_size // config.patch_size) ** 2
     positions = patches + 1
@@ -2131,10 +2094,8 @@ def vit_flops_counter(raw_model, attention, cfg):
 
 
 def export_image_model(raw_model, data_dir, meta, final_dir, cfg, device):
-    """save_pretrained and the image processor the pipeline applies before the model: the shorter
-    side resized to the image size (bicubic) and a centre crop, as preprocess.py did, then
-    meta.json's mean and std: pipeline("image-classification", model=final_dir) classifies. The
-    pipeline's load_image turns the image RGB (and upright) first, as preprocess.py's to_rgb."""
+    """save_pretrained and the image processor that resizes and crops as preprocess.py did, then
+    normalises: pipeline("image-classification", model=final_dir) classifies."""
     size = meta["image_size"]
     if raw_model.config._attn_implementation == "sdpa_unmasked":  # registered in this process only
         raw_model.set_attn_implementation("sdpa")
@@ -2150,9 +2111,8 @@ def export_image_model(raw_model, data_dir, meta, final_dir, cfg, device):
 
 
 class ArrowImages:
-    """The images of one split, memory-mapped from Arrow files: sample i is image i (uint8 pixels,
-    height x width x RGB) and its label. One image is one sample, of "length" 1: the text path's
-    counts of tokens count images here. Its task: a ViT classifies them."""
+    """A split's images, memory-mapped from Arrow files: sample i is image i (uint8 HxWxRGB) and its
+    label, of "length" 1: the text path's token counts count images here."""
     task, kind, unit, seq_len, sdpa = "image", "images", "images", 1, "sdpa_unmasked"  # no mask
     model_class = transformers.AutoModelForImageClassification
     prepare_command, model_config = staticmethod(prepare_images_command), staticmethod(vit_config)
@@ -2303,8 +2263,8 @@ def start_exporters(cfg, step, device):
 
 
 def start_prometheus(port):
-    """prometheus_client's HTTP server for this process's gauges, in a thread; None without the
-    package. Its own registry: a second run in one process would register its gauges twice."""
+    """prometheus_client's server for this process's gauges; its own registry, so a second run in
+    one process does not register its gauges twice. None without the package."""
     try:
         import prometheus_client
     except ImportError:
@@ -2319,9 +2279,7 @@ def start_prometheus(port):
 
 
 def export_metrics(setup, record):
-    """The record with what this block measures (a train record's GPU utilisation, and DDP's
-    all-reduce times), every number of it under its own name: TensorBoard on rank 0, a gauge on
-    every rank (a key that is null today appears as soon as it holds a number)."""
+    """The record with this block's figures, each number to TensorBoard (rank 0) and a gauge."""
     exporters = setup.exporters
     if record["kind"] == "train":
         record = {**record, "gpu_util": exporters.gpu_util()}
@@ -2347,9 +2305,7 @@ def export_metrics(setup, record):
 
 
 def gpu_util_reader(device, enabled):
-    """A function giving this GPU's utilisation from NVML: the share of its last sample period in
-    which any kernel ran (a collective waiting for another rank counts as busy). None on a CPU, with
-    log.gpu_util=false, without pynvml, or where NVML cannot tell (a MIG slice)."""
+    """A function giving NVML's GPU utilisation (a waiting collective counts as busy), or None."""
     if device.type != "cuda" or not enabled:
         return None
     try:
@@ -2382,12 +2338,8 @@ def stop_exporters(exporters):
 
 
 def timed(parallel, hook):
-    """Time wrap_model's all-reduces for the log line (comm_figures): each one's start and end, and
-    per step the communication backward did not hide. Our reducers' all_reduce() and wait() are
-    wrapped; for DDP, which takes one comm hook, the one to register is returned: `hook` or DDP's
-    own sum (torch's allreduce_hook), timed to its result (bf16: cast back). Ends are stamped in
-    callbacks of the futures, which NCCL runs on a stream that waits for the all-reduce (gloo: once
-    it is done): neither makes the host wait."""
+    """Time the all-reduces and the communication backward did not hide, without a host wait: our
+    reducers' calls wrapped, or for DDP the comm hook to register (`hook` or torch's own)."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     times = parallel.comm_times = SimpleNamespace(allreduce=[], exposed=[])  # (start, end) each
 
@@ -2428,9 +2380,8 @@ def time_stamp():
 
 
 def comm_figures(times):
-    """The interval's p50 and p95 all-reduce (ms from start to end), and the mean per step of the
-    communication backward did not hide: our reducers' wait, or DDP's last bucket from the end of
-    backward's compute. None where nothing was timed (one process)."""
+    """The interval's p50/p95 all-reduce ms and exposed communication per step (None: untimed)."""
+
     latency_ms = span_ms(times.allreduce) if times else []
     exposed_ms = [max(0.0, ms) for ms in span_ms(times.exposed)] if times else []
     percentile = {q: float(np.percentile(latency_ms, q)) if latency_ms else None for q in (50, 95)}
@@ -2449,23 +2400,19 @@ def span_ms(spans):
 
 
 # ============================================================================== tiered: begin
-# model.embedding_gpu_rows=K: the input embedding's rows of the K most frequent tokens on the GPU,
-# the others in CPU memory, for vocabularies of some hundred thousand tokens. Delete this block and
-# the lines tagged # tiered: the embedding is then one table on the GPU, as transformers builds it.
+# model.embedding_gpu_rows=K: the input embedding's K most frequent tokens' rows on the GPU, the
+# others in CPU memory. Delete this block and the lines tagged # tiered: one table on the GPU.
 
 def tier_embedding(raw_model, data_dir, meta, cfg, precision, device):
-    """Put a TieredEmbedding in place of the model's input embedding (before it goes to the GPU,
-    so the whole table never does), its GPU rows the train split's most frequent tokens'."""
+    """A TieredEmbedding in place of the input embedding, before the model goes to the GPU."""
     if not cfg.model.embedding_gpu_rows:
         return
     embedding, output, rows = raw_model.get_input_embeddings(), raw_model.get_output_embeddings(), \
         cfg.model.embedding_gpu_rows
     rebuild = f"-> rebuild the data: {prepare_command(data_dir)} --force"
     if output is not None and output.weight is embedding.weight:
-        die("model.embedding_gpu_rows needs an output layer of its own, and this model ties it to "
-            "the input embedding: the output layer multiplies every row at every step, so no row "
-            "could stay in CPU memory -> set model.tie_word_embeddings=false (the output layer "
-            "then has weights of its own: vocabulary x width more)")
+        die("model.embedding_gpu_rows needs an untied output layer (a tied one reads every row "
+            "each step) -> set model.tie_word_embeddings=false")
     if precision == "fp16":
         die("model.embedding_gpu_rows does not train in fp16: the grad scaler would not see the "
             "gradient of the rows in CPU memory -> use train.precision=bf16 or fp32")
@@ -2501,8 +2448,7 @@ def tier_embedding(raw_model, data_dir, meta, cfg, precision, device):
 
 
 def hottest_token_ids(frequencies, rows, count):
-    """The `count` most frequent of `rows` token ids, most frequent first; equal counts go to the
-    lower id (a stable sort): every rank and run picks the same rows. Ids past the table count 0."""
+    """The `count` most frequent of `rows` token ids; a stable sort: every rank picks the same."""
     counts = np.zeros(rows, np.int64)
     counts[:min(rows, len(frequencies))] = frequencies[:rows]
     return torch.from_numpy(np.argsort(-counts, kind="stable")[:count].copy())
@@ -2537,9 +2483,8 @@ def untier(raw_model, device):
 
 
 def step_input_ids(split_data, position, cfg, micro_batches):
-    """Every input id of the global batch at `position`, all ranks', flat: the rows a step updates.
-    This rank's micro-batches are built already; each rank builds the others' ids from the shared
-    plan (no communication, no wait for the GPU)."""
+    """Every input id of the global batch at `position`, all ranks', flat: the others' are built
+    from the shared plan (no communication, no wait for the GPU)."""
     plan = split_data.plan(position, cfg.train.seed, cfg, dist.get_world_size())
     others = [split_data.micro_batch(ids, epochs, cfg, torch.device("cpu"))["inputs"]["input_ids"]
               for rank, rank_plan in enumerate(plan) if rank != dist.get_rank()
@@ -2549,19 +2494,9 @@ def step_input_ids(split_data, position, cfg, micro_batches):
 
 
 class TieredEmbedding(torch.nn.Module):
-    """An input embedding split by token frequency (model.embedding_gpu_rows;
-    docs/tiered-embedding.md).
-
-    Hot rows (the most frequent ids) are one GPU parameter, `hot_weight`: DDP reduces its gradient
-    and AdamW updates it, as any weight. Cold rows live in CPU memory with their lazy AdamW state. A
-    step's cold rows, those of every id in its global batch (all ranks'), go to the GPU once:
-    `stage` gathers them while the GPU runs the step before; the step's first forward makes them
-    `rows`, a parameter of this module for that step only (so the global gradient norm counts it),
-    whose gradient the micro-batches' backward passes sum. A hook on it writes the last update into
-    the CPU tables after the first backward, and all-reduces its gradient after the last; `step`
-    applies lazy AdamW on the GPU and copies the rows back on a side stream. Token id i is row
-    slot_of_id[i] of hot_weight if below hot_rows, else row slot_of_id[i] - hot_rows of the tables.
-    """
+    """An input embedding split by token frequency (docs/tiered-embedding.md): hot rows are the GPU
+    parameter hot_weight; cold rows live in CPU memory with lazy AdamW state, and a step's go to
+    the GPU once as `rows`, a parameter for that step. Id i is slot_of_id[i] of cat(hot, cold)."""
 
     def __init__(self, embedding, hot_ids, device):
         super().__init__()
@@ -2570,9 +2505,8 @@ class TieredEmbedding(torch.nn.Module):
         self.set_tiers(hot_ids, weight.shape[0])
         self.hot_weight = torch.nn.Parameter(weight[self.hot_ids].clone())
         self.rows = None  # this step's CPU rows on the GPU: a parameter from forward to step()
-        # Plain attributes, not parameters or buffers: model.to(device) leaves them in CPU memory,
-        # DDP neither reduces nor broadcasts them, and the state dict gets them from
-        # get_extra_state. Not pinned: copies go through the pinned buffers rows are gathered into.
+        # plain attributes: model.to() leaves them in CPU memory, DDP ignores them, the state dict
+        # gets them from get_extra_state
         self.cold_weight = weight[self.cold_ids].clone()
         self.cold_exp_avg = torch.zeros_like(self.cold_weight)
         self.cold_exp_avg_sq = torch.zeros_like(self.cold_weight)
@@ -2595,10 +2529,8 @@ class TieredEmbedding(torch.nn.Module):
         return [self.cold_weight, self.cold_exp_avg, self.cold_exp_avg_sq, self.cold_steps]
 
     def stage(self, micro_batches, step_ids):
-        """Start copying the cold rows of a step to the GPU: `micro_batches` are this rank's
-        (their ids in CPU memory), `step_ids` every id of the global batch. Rows the step before
-        also holds are not copied: they come from its update on the GPU, which the CPU tables may
-        not have yet."""
+        """Start copying a step's cold rows (of step_ids, the global batch's) to the GPU; rows the
+        step before holds come from its update on the GPU, which the CPU tables may lack yet."""
         self.write_to_tables()  # the last update, whose rows may be gathered below
         step_slots = self.slot_of_id[step_ids]
         slots = torch.unique(step_slots[step_slots >= self.hot_rows])  # sorted; alike on every rank
@@ -2619,8 +2551,6 @@ class TieredEmbedding(torch.nn.Module):
         positions = [(~carried).nonzero().flatten(), carried.nonzero().flatten(), place[carried]]
         ready = None
         if self.copy_stream is not None:
-            # A pinned buffer freed while its copy may still run is reused only after it: the
-            # caching host allocator records an event with each copy.
             with torch.cuda.stream(self.copy_stream):
                 table_indices, fresh, positions = (
                     [tensor.pin_memory().to(self.device, non_blocking=True) for tensor in tensors]
@@ -2632,8 +2562,7 @@ class TieredEmbedding(torch.nn.Module):
                                       padding_index=self.padding_index(slots))
 
     def padding_index(self, cold_slots):
-        """The row of padding_idx in cat([hot_weight, the rows of cold_slots]), or None where it is
-        absent: nn.Embedding(padding_idx=) sends no gradient to that row, and neither does this."""
+        """padding_idx's row in cat([hot_weight, cold_slots' rows]) (no gradient reaches it)."""
         pad_slot = int(self.slot_of_id[self.padding_idx]) if self.padding_idx is not None else None
         if pad_slot is None or pad_slot < self.hot_rows:
             return pad_slot
@@ -2643,15 +2572,13 @@ class TieredEmbedding(torch.nn.Module):
 
     @torch.no_grad()
     def start_step(self):
-        """Make the staged rows this step's GPU tensors: the copied ones, and those the step before
-        also held taken from its update. The compute stream waits for the copy, not the host."""
+        """The staged rows as this step's GPU tensors; the compute stream waits for the copy."""
         staged, self.staged = self.staged, None
         fresh_at, carried_at, carried_from = staged.positions
         if staged.ready is not None:
             compute_stream = torch.cuda.current_stream(self.device)
             compute_stream.wait_event(staged.ready)
-            # made on the side stream, read here: without record_stream the allocator could hand
-            # this memory to the next copy once freed, while kernels queued here still read it
+            # made on the side stream, read here: else freed memory could go to the next copy early
             for tensor in [*staged.table_indices, *staged.fresh, *staged.positions]:
                 if tensor.numel():
                     tensor.record_stream(compute_stream)
@@ -2674,9 +2601,8 @@ class TieredEmbedding(torch.nn.Module):
                                        padding_index=staged.padding_index)
 
     def gradient_ready(self, rows):
-        """After each micro-batch's backward has added into rows.grad: after the first, write the
-        last update into the CPU tables (the GPU has that backward to run meanwhile); after the
-        last, average the gradient over the ranks, as DDP does the hot rows'."""
+        """After the first backward write the last update to the CPU tables (the GPU is busy); after
+        the last, average the gradient over the ranks, as DDP does the hot rows'."""
         self.current.backwards += 1
         if self.current.backwards == 1:
             self.write_to_tables()
@@ -2699,8 +2625,7 @@ class TieredEmbedding(torch.nn.Module):
                                    f"{tuple(table_index.shape)}, got {tuple(input_ids.shape)}")
             return F.embedding(table_index, torch.cat([self.hot_weight, self.rows]),
                                padding_idx=self.current.padding_index)
-        # validation and generate(): this batch's rows from the CPU tables, once they have the last
-        # update; one wait for the GPU per call
+        # validation and generate(): the rows from the CPU tables (one wait for the GPU per call)
         self.write_to_tables()
         slots = self.slot_of_id[input_ids.cpu()]
         is_cold = slots >= self.hot_rows
@@ -2712,11 +2637,8 @@ class TieredEmbedding(torch.nn.Module):
 
     @torch.no_grad()
     def step(self, lr, betas, eps, weight_decay, skipped):
-        """Lazy AdamW on the GPU: torch.optim.AdamW's formula (decoupled weight decay, both moments,
-        bias correction) on this step's CPU rows, each with its own step count. A row used at every
-        step is updated as dense AdamW would; an unused one keeps its weight and moments, where
-        dense AdamW would decay them at every step (touching every row). Then the rows go back to
-        the host on the side stream, for write_to_tables. A skipped step changes nothing."""
+        """Lazy AdamW (torch's formula, a step count per row) on this step's CPU rows, on the GPU:
+        an unused row keeps its weight and moments. The rows then go back on the side stream."""
         state, self.rows = self.current, None  # the parameter ends with the step
         if skipped:
             return
@@ -2755,8 +2677,7 @@ class TieredEmbedding(torch.nn.Module):
                 table.index_copy_(0, written.rows, values)
 
     def held_mib(self, optimizer):
-        """MiB per device type this module holds: its GPU rows with gradient and AdamW state, the
-        CPU tables, the step's CPU rows on the GPU with gradient and moments, and the next's."""
+        """MiB per device type this module holds, with gradients and AdamW state."""
         tensors = [self.hot_weight, self.hot_weight.grad, *self.cold_tables(),
                    *optimizer.state.get(self.hot_weight, {}).values()]
         if self.current is not None:
@@ -2771,7 +2692,6 @@ class TieredEmbedding(torch.nn.Module):
 
     def get_extra_state(self):
         """The cold rows, their lazy AdamW state and the tier map: in the state dict (model.pt)."""
-
         self.write_to_tables()
         return {"hot_ids": self.hot_ids, "cold_weight": self.cold_weight,
                 "cold_exp_avg": self.cold_exp_avg, "cold_exp_avg_sq": self.cold_exp_avg_sq,
@@ -2799,11 +2719,8 @@ class TieredEmbedding(torch.nn.Module):
 
 
 # ============================================================================== fp8: begin
-# train.precision=fp8: the repeated blocks' linear layers multiply in float8 through torchao's
-# float8 training (tensorwise recipe: one scale per tensor, from its current maximum), everything
-# else under bf16 autocast as train.precision=bf16. The weights stay fp32 parameters under the
-# same names, so checkpoints and the export are those of a bf16 run. MFU is counted against the
-# bf16 peak, so that the two precisions compare.
+# train.precision=fp8: the blocks' linear layers multiply in float8 (torchao, tensorwise), the rest
+# as bf16; weights stay fp32, so checkpoints and export are a bf16 run's. MFU: the bf16 peak.
 
 def fp8_refusal(device, use_compile):
     """Why fp8 cannot pay here, or None: it needs float8 tensor cores, torch.compile and torchao."""
@@ -2811,7 +2728,8 @@ def fp8_refusal(device, use_compile):
 
     if device.type != "cuda":
         return ("train.precision=fp8 needs an NVIDIA GPU with float8 tensor cores (compute "
-                "capability 8.9: Ada, Hopper or later) -> use train.precision=bf16 or fp32 here")
+                "capability 8.9 or later) -> use train.precision=bf16 or fp32 here")
+
     capability = torch.cuda.get_device_capability(device)
     if capability < (8, 9):
         return (f"train.precision=fp8 needs float8 tensor cores (compute capability 8.9 or later), "
@@ -2826,8 +2744,7 @@ def fp8_refusal(device, use_compile):
 
 
 def fp8_layers(model):
-    """The layers fp8 trains: the nn.Linear layers of the repeated blocks whose sizes are multiples
-    of 16 (what float8 matmuls take). The embeddings, the output layer and any head stay in bf16."""
+    """The blocks' nn.Linear layers with sizes in multiples of 16 (what float8 matmuls take)."""
     in_blocks = {id(module) for block in repeated_blocks(model) for module in block.modules()}
     return [name for name, module in model.named_modules()
             if id(module) in in_blocks and isinstance(module, torch.nn.Linear)
@@ -2835,8 +2752,7 @@ def fp8_layers(model):
 
 
 def train_in_fp8(model, cfg, device, use_compile, sharded):
-    """train.precision=fp8: fp8_layers become torchao's Float8Linear in place, before compile and
-    sharding. Sharded (FSDP2), the weights are also gathered in float8: half the bytes of bf16."""
+    """fp8_layers become torchao's Float8Linear before compile and sharding."""
     if cfg.train.precision != "fp8":
         return
     refusal = fp8_refusal(device, use_compile)
@@ -2848,9 +2764,8 @@ def train_in_fp8(model, cfg, device, use_compile, sharded):
 
     chosen = set(fp8_layers(model))
     if not chosen:
-        die(f"train.precision=fp8 converts the nn.Linear layers of a model's repeated blocks, and "
-            f"{model.config.model_type} has none with sizes in multiples of 16 (GPT-2's blocks use "
-            "Conv1D) -> use model.type=llama, bert or vit, or train.precision=bf16")
+        die(f"train.precision=fp8: {model.config.model_type}'s blocks have no nn.Linear with sizes "
+            "in multiples of 16 -> use model.type=llama, bert or vit, or train.precision=bf16")
     config = dataclasses.replace(Float8LinearConfig.from_recipe_name("tensorwise"),
                                  enable_fsdp_float8_all_gather=sharded)
     convert_to_float8_training(model, config=config,
@@ -2863,9 +2778,8 @@ def train_in_fp8(model, cfg, device, use_compile, sharded):
 
 
 def compile_fp8_blocks(model, cfg, use_compile):
-    """Under fp8, each repeated block is compiled on its own (one graph for all of them), and the
-    model not whole (False): at 1.3B parameters fp8's whole graph, 3x the ops of bf16's, did not
-    compile within 5 minutes; block by block the run trained within 2."""
+    """Under fp8 each block compiles on its own, not the whole model (False): fp8's whole graph
+    compiles far slower (bench/RESULTS.md)."""
     if cfg.train.precision != "fp8" or not use_compile:
         return use_compile
     for block in repeated_blocks(model):
@@ -2875,9 +2789,8 @@ def compile_fp8_blocks(model, cfg, use_compile):
 
 
 # ============================================================================== faults: begin
-# Fault injection for the tests, off unless FAULT=kind:rank:step[,...] is set (kill, kill-in-save,
-# hang, nan, slow), on a job's first attempt only, so a restarted job runs clean. Delete this block
-# and the lines tagged # FAULT: nothing else changes.
+# Fault injection for the tests: FAULT=kind:rank:step[,...], on a job's first attempt only. Delete
+# this block and the lines tagged # FAULT: nothing else changes.
 
 def fault(kind, step):
     specs = os.environ.get("FAULT")
@@ -2913,10 +2826,8 @@ def save_fault(step):
 
 
 def ended_attempt(code=None, line=None):
-    """A restart of the workers by torchrun (MAX_RESTARTS) cannot undo a stop or a mistake to fix:
-    the workers of an attempt that ended so note it, and those of the next one end alike at once.
-    The note lies on this node, named after torchrun's PID; a new torchrun starts afresh."""
-
+    """A torchrun restart cannot undo a stop or a mistake: an attempt that ended so notes it (a
+    file named after torchrun's PID), and the next one ends alike at once."""
     note = Path(tempfile.gettempdir()) / f"train-ended-{os.getppid()}.json"
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "-1"))
     if code is not None and restarts >= 0:

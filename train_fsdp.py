@@ -561,9 +561,8 @@ def tensor_bytes(state):
 
 
 def hold_directory(ckpt_dir, writing):
-    """Hold ckpt_dir for this run: an advisory lock on its .lock file, which the system releases
-    when the process ends however it ends, so a second run on it stops before it touches anything
-    and a dead holder never blocks. Returns the open file (the lock lasts as long as it)."""
+    """An advisory lock on ckpt_dir/.lock, released when the process ends however it ends: a
+    second run stops before it touches anything, a dead holder never blocks. Returns the file."""
     if not writing and not ckpt_dir.is_dir():
         return None
     try:
@@ -692,8 +691,7 @@ def step_dir(ckpt_dir, step):
 
 
 def step_of(path):
-    """A step_* directory's step as a number: as strings step_999900 sorts after step_1000000, and
-    pruning would then delete the newest checkpoints."""
+    """A step_* directory's step as a number: as strings step_999900 sorts after step_1000000."""
     match = re.fullmatch(r"step_(\d+)", path.name)
     return int(match.group(1)) if match else -1
 
@@ -709,8 +707,7 @@ def complete_checkpoints(ckpt_dir):
 
 
 def file_checksum(path):
-    """CRC-32 of a file: it catches truncated and bit-flipped files (not forgery: what protects
-    against a malicious file is that loading never runs pickled code)."""
+    """CRC-32 of a file: it catches truncated and bit-flipped files, not forgery."""
     checksum = 0
     with open(path, "rb") as file:
         while piece := file.read(1 << 24):
@@ -880,10 +877,8 @@ PREPROCESS_KEYS = {"data.vocab_size": "--vocab-size", "data.val_fraction": "--va
 
 
 def load_config(args, use_cuda):
-    """DEFAULTS, then config.yaml beside this file (or the .yaml given first), then key=value
-    arguments (of a key given twice, the last); each value must have the type of its default. A
-    preset (no GPU; or an optional part's) sets only keys that the file and the arguments left at
-    their defaults, and says which."""
+    """DEFAULTS, then config.yaml (or the .yaml given first), then key=value arguments; a preset
+    sets only the keys both left at their defaults, and says which."""
     defaults = flatten(DEFAULTS)
     flat, presets = dict(defaults), dict(PRESETS)
     config_path = Path(__file__).with_name("config.yaml")
@@ -1160,11 +1155,8 @@ def read_meta(data_dir, reader):
 
 
 class ArrowTokens:
-    """The samples of one split, read straight from memory-mapped Arrow files: the tokens are never
-    copied into memory as a whole (the epoch's permutation holds 8 bytes per sample, though). Every
-    row ends with end-of-text, so the flat values are the concatenated token stream, and sample i
-    is the block stream[i*L : i*L + L + 1] (inputs and shifted labels). The reader stands for its
-    task, a causal LM: its model, micro-batches, label count, FLOPs, export; other readers alike."""
+    """A split's samples from memory-mapped Arrow files: sample i is stream[i*L : i*L + L + 1] of
+    the token stream. A reader stands for its task (causal LM): model, batches, FLOPs, export."""
     task, kind, unit, model_class = "causal", "text", "tokens", AutoModelForCausalLM
     sdpa = "sdpa_causal"  # ours, without a mask: causal batches are never padded (choose_attention)
     prepare_command = staticmethod(prepare_command)
@@ -1417,9 +1409,8 @@ def build_model(cfg, reader, meta, device):
 
 
 def choose_attention(requested, device, sdpa, architecture=None):
-    """auto: FlashAttention-2 where flash_attn imports on a GPU of compute capability 8.0 or newer
-    (older GPUs fail at the first forward); else the reader's sdpa (ours: no mask, none padded);
-    eager for model classes transformers runs without SDPA (architecture: e.g. DeBERTa-v2's)."""
+    """auto: FlashAttention-2 where flash_attn imports on a GPU of compute capability 8.0+; else the
+    reader's sdpa; eager for model classes transformers runs without SDPA."""
     supports = {kind: getattr(architecture, f"_supports_{kind}", True)
                 for kind in ("sdpa", "flash_attn")}
     usable = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0) and \
@@ -1449,8 +1440,8 @@ def flash_attn_available():
 
 
 def repeated_blocks(model):
-    """The model's repeated layers (its transformer blocks): the members of its outermost
-    nn.ModuleLists, but none holding the input embedding (a tied output layer shares its weight)."""
+    """The members of the model's outermost nn.ModuleLists (its blocks), but none holding the input
+    embedding (a tied output layer shares its weight)."""
     embedding, blocks = model.get_input_embeddings(), []
     for module in model.modules():  # parents before children
         if isinstance(module, torch.nn.ModuleList) and not any(
@@ -1461,12 +1452,8 @@ def repeated_blocks(model):
 
 
 def model_flops_counter(raw_model, shape_of):
-    """A function from the sample lengths of each micro-batch to their model FLOPs, for MFU, where
-    shape_of(lengths) gives a micro-batch's positions computed (padding too) and query-key pairs:
-    PaLM's count (Chowdhery et al. 2022, app. B) with attention as computed here. Matmuls: 2 FLOPs
-    per multiply-add forward and two products of that size backward: 6 x matmul_params a position.
-    Attention (Q K^T and the weighted sum of V): 2 x 2 x width per query-key pair and layer forward,
-    x3 with backward. Not counted: norms, activations, softmax, lookups, the loss, recomputation."""
+    """Micro-batches' sample lengths -> model FLOPs (PaLM's count): 6 per matmul weight, position;
+    12 x width per query-key pair and layer; shape_of(lengths) gives (positions, pairs)."""
     matmul_params, config = count_matmul_params(raw_model), raw_model.config
     return lambda micro_batch_lengths: sum(
         6 * matmul_params * positions + 12 * config.num_hidden_layers * config.hidden_size * pairs
@@ -1474,8 +1461,7 @@ def model_flops_counter(raw_model, shape_of):
 
 
 def count_matmul_params(model):
-    """Parameters multiplied with every token: all but embedding lookups, plus the output layer when
-    it shares its weight with the input embedding (there it is a matmul)."""
+    """Parameters multiplied with every token: all but lookups, plus a tied output layer."""
     lookups = [m for m in model.modules() if isinstance(m, torch.nn.Embedding)]
     embedding_weights = {id(p): p.numel() for m in [*lookups, model.get_input_embeddings()]
                          for p in m.parameters(recurse=False)}
@@ -1516,8 +1502,7 @@ def state_tensors(parameters, optimizer):
 
 
 def memory_prediction(raw_model, device):
-    """Bytes this rank holds between steps, from the parameters' counts and dtypes: the weights, a
-    gradient like each trained one, and AdamW's two moments (made like the parameter)."""
+    """Bytes held between steps: weights, a gradient per trained one, AdamW's two moments."""
     weights = trained = 0
     for parameter in raw_model.parameters():
         local = parameter.to_local() if hasattr(parameter, "to_local") else parameter  # FSDP
@@ -1532,8 +1517,7 @@ def memory_prediction(raw_model, device):
 
 
 def report_memory(setup, step, optimizer, predicted):
-    """After an update: the prediction, the same summed from the tensors that exist (its check),
-    on a GPU the allocator's allocated, peak and reserved bytes, and the input embedding's share."""
+    """After an update: the prediction, its check from the tensors that exist, the allocator's."""
     def held(parameters):  # by device type; AdamW's "step", a 0-d tensor, is no part of it
         sizes = {}
         for tensor in (t for t in state_tensors(parameters, optimizer) if t.dim() > 0):
@@ -1569,8 +1553,7 @@ def report_memory(setup, step, optimizer, predicted):
 # ----------------------------------------------------------------------------- 7. training loop
 
 class Interval:
-    """What the log line sums over the steps since the last one, and its clock, which validation and
-    checkpoints (`with interval.paused():`) do not count as training time."""
+    """The log line's sums since the last one; its clock skips `with interval.paused():` spans."""
 
     def __init__(self, device):
         self.device = device
@@ -1701,11 +1684,8 @@ def stop_message(cfg, step):
 
 
 def catch_stop_signals(requested):
-    """SIGTERM (a scheduler's preemption; torchrun passes it on to every worker and kills them 30 s
-    later by default) and SIGINT (Ctrl-C) ask for a clean stop: the list `requested` gets the
-    signal's name and time, and every rank stops after the same step, with a checkpoint. Slurm
-    signals every process of a job step and torchrun passes its own on, so signals within
-    STOP_REPEAT_S of the first repeat it; a later one stops this process at once, without one."""
+    """SIGTERM and SIGINT ask for a clean stop after the same step on every rank, with a checkpoint;
+    signals within STOP_REPEAT_S of the first repeat it, a later one stops at once."""
 
     def on_signal(number, frame):
         if requested and time.monotonic() - requested[0][1] > STOP_REPEAT_S:
@@ -1722,8 +1702,7 @@ def catch_stop_signals(requested):
 
 
 def open_metrics(out_dir, step):
-    """metrics.jsonl, kept across restarts: records past `step`, the checkpoint this run resumes
-    from, go, since those steps run again."""
+    """metrics.jsonl, kept across restarts less the records past `step`: those steps run again."""
     path = out_dir / "metrics.jsonl"
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -1752,11 +1731,8 @@ def write_metrics(setup, record):
 
 
 class SpanTimer:
-    """The time of one recurring part of a step (building batches, waiting for the other ranks),
-    summed over a log interval without making the host wait for the GPU: `with timer:` around it. On
-    a GPU the host runs ahead, and what counts is what the GPU does meanwhile: two CUDA events on
-    its stream time the span as the GPU lives it (idle time included), read after the log line's
-    wait for the GPU. On a CPU each operation ends before the next starts: the host's clock does."""
+    """`with timer:` sums a span over a log interval without a wait for the GPU: on a GPU two CUDA
+    events time it as the GPU lives it (the host runs ahead); on a CPU the host's clock."""
 
     def __init__(self, device):
         self.on_gpu, self.host_s, self.recorded, self.spare = device.type == "cuda", 0.0, [], []
@@ -1838,8 +1814,7 @@ def export_final(raw_model, data_dir, meta, final_dir, cfg, device):
 
 
 def report_lost_ranks(error):
-    """A collective failed (a rank stopped answering for dist.timeout_s, or died): one line saying
-    which, and where the others can tell, which ranks stopped answering."""
+    """A collective failed: one line saying so and, where the store tells, which fell silent."""
     rank, text = dist.get_rank(), first_line(error)
     if "timed out" not in text.lower() and "timeout" not in text.lower():
         print(f"error: rank {rank} lost contact with another rank ({text}) -> look above for the "
@@ -1862,9 +1837,8 @@ def report_lost_ranks(error):
 # Per-sample random draws that # MLM and # images share: delete this block with the last of them.
 
 def sample_uniforms(seed, epochs, sample_ids, positions, use):
-    """A float in [0, 1) per (epoch, sample, position), broadcast, for one use (MLM: 0 masked?, 1
-    replaced by what, 2 which random token; images: 3 crop and flip): a vectorised hash (splitmix64)
-    of (seed, epoch, sample, position, use) alone, so no rank or micro-batch changes a draw."""
+    """A float in [0, 1) per (epoch, sample, position, use): a hash of them alone, so no rank or
+    micro-batch changes a draw (uses: MLM 0 masked?, 1 how, 2 which token; images 3)."""
     shape = np.broadcast_shapes(np.shape(epochs), np.shape(sample_ids), np.shape(positions))
     mixed = np.full(shape, seed, dtype=np.uint64)
     for part in (epochs, sample_ids, np.asarray(positions) * 4 + use):
@@ -1902,8 +1876,7 @@ def masked_lm_reader(cfg, reader):
 
 
 class MaskedTokens(ArrowTokens):
-    """A masked LM's samples: sample i is document i, truncated to L - 2 and framed as
-    [CLS] doc [SEP]; a micro-batch is padded and masked as BERT's (mask_tokens)."""
+    """Sample i is document i, cut to L - 2 as [CLS] doc [SEP]; padded and masked as BERT's."""
     task, model_class, sdpa = "mlm", transformers.AutoModelForMaskedLM, "sdpa"  # sdpa: it masks
 
     def __init__(self, data_dir, meta, split, seq_len):
@@ -1930,15 +1903,13 @@ class MaskedTokens(ArrowTokens):
         return piece, self.doc_offsets[piece], index - self.doc_starts[piece]
 
     def plan(self, position, seed, cfg, world_size):
-        """The global batch sorted by length before it is cut, so each micro-batch pads little; the
-        micro-batches are dealt round-robin, so every rank gets short and long ones."""
+        """Sorted by length before it is cut, so a micro-batch pads little; dealt round-robin."""
         sample_ids, epochs = global_batch(position, cfg.train.global_batch_size, len(self), seed)
         order = sorted(range(len(sample_ids)), key=lambda k: (self.length(sample_ids[k]), k))
         return deal(sample_ids[order], epochs[order], cfg.train.micro_batch_size, world_size)
 
     def micro_batch(self, sample_ids, epochs, cfg, device):
-        """Padded to seq_len (train.pad_to_multiple=0), or to its longest sample rounded up to a
-        multiple of it, with BERT's masking."""
+        """Padded to seq_len, or the longest rounded up to train.pad_to_multiple; BERT's masking."""
         samples = [self.sample(int(i)) for i in sample_ids]
         lengths = np.array([len(sample) for sample in samples])
         length = padded_length(lengths.max(), cfg.train.pad_to_multiple, self.seq_len)
@@ -1967,8 +1938,8 @@ class MaskedTokens(ArrowTokens):
 
     @staticmethod
     def flops_counter(raw_model, attention, cfg):
-        """A query sees every padded position of its micro-batch (SDPA, eager), or with
-        FlashAttention-2, which drops the padding before attention, its sample's only."""
+        """A query sees its micro-batch's padded positions; with FlashAttention-2 its own."""
+
         def shape_of(lengths):
             padded = padded_length(max(lengths), cfg.train.pad_to_multiple, cfg.train.seq_len)
             if attention == "flash_attention_2":
@@ -1985,9 +1956,7 @@ def masked_lm_loss(loss_of, cfg, reader):
 
 
 def dynamic_length(tensor):
-    """Mark dimension 1 (the length) dynamic, so one compiled graph serves every padded length.
-    Unmarked, Dynamo compiles the first length as a constant and again at the second. maybe_: a
-    torch that specializes the length anyway recompiles instead of failing."""
+    """Dimension 1 dynamic: one compiled graph for every padded length (maybe_: never fails)."""
     torch._dynamo.maybe_mark_dynamic(tensor, 1)
     return tensor
 
@@ -2012,8 +1981,7 @@ def mask_tokens(tokens, lengths, seed, epochs, sample_ids, special, vocab_size, 
 
 
 def masked_positions(seed, epochs, sample_ids, lengths, width, probability):
-    """Which positions BERT predicts, a row per sample: never [CLS] (position 0), [SEP] (length - 1)
-    or the padding after it; each other position with `probability`."""
+    """The positions BERT predicts: each with `probability`, never [CLS], [SEP] or padding."""
     positions = np.arange(width)
     candidates = (positions >= 1) & (positions <= lengths[:, None] - 2)
     uniforms = sample_uniforms(seed, epochs[:, None], sample_ids[:, None], positions, 0)
@@ -2046,8 +2014,8 @@ PRESETS.update(cpu_preset_images=CPU_PRESET_IMAGES, gpu_preset_digits=GPU_PRESET
 
 
 def image_preset(flat, name, preset, presets, use_cuda):
-    """An image model's preset and its name: data.dir the digits (the offline default images); for
-    a ViT without a GPU also the CPU preset's images part, with one on the digits the GPU's."""
+    """An image model's preset and name: data.dir the digits; for a ViT cpu_preset_images on a CPU,
+    gpu_preset_digits on a GPU with the digits."""
     if not image_model_type(flat["model.type"], flat["model.pretrained"]):
         return name, preset
     if flat["model.type"] == "vit" and not use_cuda:
@@ -2090,8 +2058,7 @@ def image_reader(cfg, reader):
 
 
 def vit_config(cfg, meta):
-    """A ViT of model.*'s shape for meta.json's images and classes, or model.pretrained's, with a
-    new classifier when the classes differ."""
+    """A ViT of model.*'s shape for meta.json's images and classes, or model.pretrained's."""
     size, classes = meta["image_size"], meta["classes"]
     labels = dict(num_labels=len(classes), id2label=dict(enumerate(classes)),
                   label2id={name: i for i, name in enumerate(classes)})
@@ -2118,8 +2085,7 @@ def vit_config(cfg, meta):
 
 
 def keep_or_renew_classifier(model, cfg, meta):
-    """A pretrained ViT keeps its classifier for the same class names in the same order; for any
-    others it gets a new one (from_pretrained would keep one of the same shape)."""
+    """A pretrained classifier stays for the same class names in order, else it starts anew."""
     pretrained = load_pretrained_config(cfg.model.pretrained)
     names, classes = [pretrained.id2label[i] for i in range(pretrained.num_labels)], meta["classes"]
     if names == classes:
@@ -2134,11 +2100,8 @@ def keep_or_renew_classifier(model, cfg, meta):
 
 
 def vit_flops_counter(raw_model, attention, cfg):
-    """Model FLOPs per image of a ViT's forward + backward, counted as model_flops_counter does:
-    each linear layer of the encoder multiplies every one of the P = patches + 1 (the class token)
-    positions, 6 FLOPs per weight; attention 12 x width per query-key pair and layer (P^2 pairs);
-    the patch projection 4 per weight and patch (the pixels need no gradient); the classifier reads
-    the class token alone."""
+    """A ViT's FLOPs per image as model_flops_counter counts them, over patches + 1 positions; the
+    patch projection 4 per weight (the pixels need no gradient), the classifier one position."""
     config = raw_model.config
     patches = (config.image_size // config.patch_size) ** 2
     positions = patches + 1
@@ -2152,10 +2115,8 @@ def vit_flops_counter(raw_model, attention, cfg):
 
 
 def export_image_model(raw_model, data_dir, meta, final_dir, cfg, device):
-    """save_pretrained and the image processor the pipeline applies before the model: the shorter
-    side resized to the image size (bicubic) and a centre crop, as preprocess.py did, then
-    meta.json's mean and std: pipeline("image-classification", model=final_dir) classifies. The
-    pipeline's load_image turns the image RGB (and upright) first, as preprocess.py's to_rgb."""
+    """save_pretrained and the image processor that resizes and crops as preprocess.py did, then
+    normalises: pipeline("image-classification", model=final_dir) classifies."""
     size = meta["image_size"]
     if raw_model.config._attn_implementation == "sdpa_unmasked":  # registered in this process only
         raw_model.set_attn_implementation("sdpa")
@@ -2171,9 +2132,8 @@ def export_image_model(raw_model, data_dir, meta, final_dir, cfg, device):
 
 
 class ArrowImages:
-    """The images of one split, memory-mapped from Arrow files: sample i is image i (uint8 pixels,
-    height x width x RGB) and its label. One image is one sample, of "length" 1: the text path's
-    counts of tokens count images here. Its task: a ViT classifies them."""
+    """A split's images, memory-mapped from Arrow files: sample i is image i (uint8 HxWxRGB) and its
+    label, of "length" 1: the text path's token counts count images here."""
     task, kind, unit, seq_len, sdpa = "image", "images", "images", 1, "sdpa_unmasked"  # no mask
     model_class = transformers.AutoModelForImageClassification
     prepare_command, model_config = staticmethod(prepare_images_command), staticmethod(vit_config)
@@ -2323,8 +2283,8 @@ def start_exporters(cfg, step, device):
 
 
 def start_prometheus(port):
-    """prometheus_client's HTTP server for this process's gauges, in a thread; None without the
-    package. Its own registry: a second run in one process would register its gauges twice."""
+    """prometheus_client's server for this process's gauges; its own registry, so a second run in
+    one process does not register its gauges twice. None without the package."""
     try:
         import prometheus_client
     except ImportError:
@@ -2366,9 +2326,7 @@ def export_metrics(setup, record):
 
 
 def gpu_util_reader(device, enabled):
-    """A function giving this GPU's utilisation from NVML: the share of its last sample period in
-    which any kernel ran (a collective waiting for another rank counts as busy). None on a CPU, with
-    log.gpu_util=false, without pynvml, or where NVML cannot tell (a MIG slice)."""
+    """A function giving NVML's GPU utilisation (a waiting collective counts as busy), or None."""
     if device.type != "cuda" or not enabled:
         return None
     try:
@@ -2414,7 +2372,8 @@ def fp8_refusal(device, use_compile):
 
     if device.type != "cuda":
         return ("train.precision=fp8 needs an NVIDIA GPU with float8 tensor cores (compute "
-                "capability 8.9: Ada, Hopper or later) -> use train.precision=bf16 or fp32 here")
+                "capability 8.9 or later) -> use train.precision=bf16 or fp32 here")
+
     capability = torch.cuda.get_device_capability(device)
     if capability < (8, 9):
         return (f"train.precision=fp8 needs float8 tensor cores (compute capability 8.9 or later), "
@@ -2429,8 +2388,7 @@ def fp8_refusal(device, use_compile):
 
 
 def fp8_layers(model):
-    """The layers fp8 trains: the nn.Linear layers of the repeated blocks whose sizes are multiples
-    of 16 (what float8 matmuls take). The embeddings, the output layer and any head stay in bf16."""
+    """The blocks' nn.Linear layers with sizes in multiples of 16 (what float8 matmuls take)."""
     in_blocks = {id(module) for block in repeated_blocks(model) for module in block.modules()}
     return [name for name, module in model.named_modules()
             if id(module) in in_blocks and isinstance(module, torch.nn.Linear)
@@ -2438,8 +2396,7 @@ def fp8_layers(model):
 
 
 def train_in_fp8(model, cfg, device, use_compile, sharded):
-    """train.precision=fp8: fp8_layers become torchao's Float8Linear in place, before compile and
-    sharding. Sharded (FSDP2), the weights are also gathered in float8: half the bytes of bf16."""
+    """fp8_layers become torchao's Float8Linear before compile and sharding."""
     if cfg.train.precision != "fp8":
         return
     refusal = fp8_refusal(device, use_compile)
@@ -2451,9 +2408,8 @@ def train_in_fp8(model, cfg, device, use_compile, sharded):
 
     chosen = set(fp8_layers(model))
     if not chosen:
-        die(f"train.precision=fp8 converts the nn.Linear layers of a model's repeated blocks, and "
-            f"{model.config.model_type} has none with sizes in multiples of 16 (GPT-2's blocks use "
-            "Conv1D) -> use model.type=llama, bert or vit, or train.precision=bf16")
+        die(f"train.precision=fp8: {model.config.model_type}'s blocks have no nn.Linear with sizes "
+            "in multiples of 16 -> use model.type=llama, bert or vit, or train.precision=bf16")
     config = dataclasses.replace(Float8LinearConfig.from_recipe_name("tensorwise"),
                                  enable_fsdp_float8_all_gather=sharded)
     convert_to_float8_training(model, config=config,
@@ -2476,9 +2432,8 @@ def fp8_scales_after_update(raw_model, cfg):
 
 
 def compile_fp8_blocks(model, cfg, use_compile):
-    """Under fp8, each repeated block is compiled on its own (one graph for all of them), and the
-    model not whole (False): at 1.3B parameters fp8's whole graph, 3x the ops of bf16's, did not
-    compile within 5 minutes; block by block the run trained within 2."""
+    """Under fp8 each block compiles on its own, not the whole model (False): fp8's whole graph
+    compiles far slower (bench/RESULTS.md)."""
     if cfg.train.precision != "fp8" or not use_compile:
         return use_compile
     for block in repeated_blocks(model):
@@ -2526,10 +2481,8 @@ def save_fault(step):
 
 
 def ended_attempt(code=None, line=None):
-    """A restart of the workers by torchrun (MAX_RESTARTS) cannot undo a stop or a mistake to fix:
-    the workers of an attempt that ended so note it, and those of the next one end alike at once.
-    The note lies on this node, named after torchrun's PID; a new torchrun starts afresh."""
-
+    """A torchrun restart cannot undo a stop or a mistake: an attempt that ended so notes it (a
+    file named after torchrun's PID), and the next one ends alike at once."""
     note = Path(tempfile.gettempdir()) / f"train-ended-{os.getppid()}.json"
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "-1"))
     if code is not None and restarts >= 0:
