@@ -1465,14 +1465,6 @@ def lr_factor(step, cfg):
     return min_factor + (1 - min_factor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def state_tensors(parameters, optimizer):
-    """Each parameter, its gradient and its optimizer state's tensors, as this rank holds them."""
-    for parameter in parameters:
-        for tensor in [parameter, parameter.grad, *optimizer.state.get(parameter, {}).values()]:
-            if torch.is_tensor(tensor):
-                yield tensor.to_local() if hasattr(tensor, "to_local") else tensor  # FSDP: a shard
-
-
 def memory_prediction(raw_model, device):
     """Bytes held between steps: weights, a gradient per trained one, AdamW's two moments."""
     weights = trained = 0
@@ -1490,11 +1482,14 @@ def memory_prediction(raw_model, device):
 
 def report_memory(setup, step, optimizer, predicted):
     """After an update: the prediction, its check from the tensors that exist, the allocator's."""
-    def held(parameters):  # by device type; AdamW's "step", a 0-d tensor, is no part of it
+    def held(parameters):  # bytes by device type of each weight, its gradient and AdamW state
         sizes = {}
-        for tensor in (t for t in state_tensors(parameters, optimizer) if t.dim() > 0):
-            size = tensor.numel() * tensor.element_size()
-            sizes[tensor.device.type] = sizes.get(tensor.device.type, 0) + size
+        for parameter in parameters:
+            for tensor in [parameter, parameter.grad, *optimizer.state.get(parameter, {}).values()]:
+                if torch.is_tensor(tensor) and tensor.dim() > 0:  # not AdamW's 0-d "step"
+                    tensor = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # FSDP
+                    sizes[tensor.device.type] = sizes.get(tensor.device.type, 0) + \
+                        tensor.numel() * tensor.element_size()
         return sizes
 
     memory = {"predicted_bytes": sum(predicted.values()),
@@ -1594,30 +1589,28 @@ def log_interval(interval, setup, run, result):
 
 def log_line(record, max_steps):
     """The console's compact line: each figure only where it exists."""
-    loss = "n/a" if record["loss"] is None else f"{record['loss']:.4f}"
-    line = (f"step {record['step']}/{max_steps} | loss {loss} | lr {record['lr']:.2e} | grad "
-            f"{record['grad_norm']:.3f}")
-    parts = [("tokens_per_sec", lambda r: f"{r['tokens_per_sec'] / 1e3:.1f}k tok/s"),
-             ("images_per_sec", lambda r: f"{r['images_per_sec']:.0f} img/s"),  # images
-             ("mfu", lambda r: f"MFU {100 * r['mfu']:.1f}%"),
-             ("mem_alloc_gib", lambda r: f"mem {r['mem_alloc_gib']:.1f}/"
-                                         f"{r['mem_reserved_gib']:.1f}/{r['mem_peak_gib']:.1f} GiB "
-                                         "alloc/res/peak"),
-             ("alloc_retries", lambda r: f"alloc retries {r['alloc_retries']}"),
-             ("gpu_util", lambda r: f"gpu {r['gpu_util']:.0f}%"),
-             ("comm_exposed_ms",  # DDP
-              lambda r: f"comm exposed {r['comm_exposed_ms']:.1f} ms/step"),  # DDP
-             ("allreduce_p50_ms",  # DDP
-              lambda r: f"all-reduce p50/p95 {r['allreduce_p50_ms']:.1f}/"  # DDP
-                        f"{r['allreduce_p95_ms']:.1f} ms"),  # DDP
-             ("data_wait_frac", lambda r: f"data {100 * r['data_wait_frac']:.1f}%"),
-             ("step_time_skew", lambda r: f"skew {r['step_time_skew']:.2f} "
-                                          f"(rank {r['slowest_rank']})")]
-    line += "".join(f" | {text(record)}" for key, text in parts if record.get(key) or (
-        key == "data_wait_frac" or (record.get(key) is not None and key != "alloc_retries")))
-    minutes, seconds = divmod(int(record["eta_s"]), 60)
+    r, known = record, {key for key, value in record.items() if value is not None}
+    minutes, seconds = divmod(int(r["eta_s"]), 60)
     hours, minutes = divmod(minutes, 60)
-    return line + f" | ETA {f'{hours}h{minutes:02d}m' if hours else f'{minutes}m{seconds:02d}s'}"
+    parts = [f"step {r['step']}/{max_steps}",
+             f"loss {'n/a' if r['loss'] is None else format(r['loss'], '.4f')}",
+             f"lr {r['lr']:.2e}", f"grad {r['grad_norm']:.3f}",
+             "tokens_per_sec" in known and f"{r['tokens_per_sec'] / 1e3:.1f}k tok/s",
+             "images_per_sec" in known and f"{r['images_per_sec']:.0f} img/s",  # images
+             "mfu" in known and f"MFU {100 * r['mfu']:.1f}%",
+             "mem_alloc_gib" in known and f"mem {r['mem_alloc_gib']:.1f}/"
+             f"{r['mem_reserved_gib']:.1f}/{r['mem_peak_gib']:.1f} GiB alloc/res/peak",
+             bool(r.get("alloc_retries")) and f"alloc retries {r['alloc_retries']}",
+             "gpu_util" in known and f"gpu {r['gpu_util']:.0f}%",
+             "comm_exposed_ms" in known and f"comm exposed {r['comm_exposed_ms']:.1f} "  # DDP
+             "ms/step",  # DDP
+             "allreduce_p50_ms" in known and f"all-reduce p50/p95 "  # DDP
+             f"{r['allreduce_p50_ms']:.1f}/{r['allreduce_p95_ms']:.1f} ms",  # DDP
+             f"data {100 * r['data_wait_frac']:.1f}%",
+             "step_time_skew" in known and f"skew {r['step_time_skew']:.2f} "
+             f"(rank {r['slowest_rank']})",
+             f"ETA {f'{hours}h{minutes:02d}m' if hours else f'{minutes}m{seconds:02d}s'}"]
+    return " | ".join(part for part in parts if part)
 
 
 def validate(model, val_data, setup, step):
