@@ -61,8 +61,7 @@ from transformers import (AttentionInterface, AttentionMaskInterface, AutoConfig
                           AutoModelForCausalLM, PreTrainedTokenizerFast)
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-# Every knob and its default (an optional part adds its own in its block); config.yaml holds the
-# same values, each with the reason for it.
+# Every knob and its default (optional parts add theirs); config.yaml holds them with reasons.
 DEFAULTS = {
     "out_dir": "out", "export": True,
     "model": dict(type="gpt2", pretrained="", n_layer=12, n_head=12, n_embd=768,
@@ -81,8 +80,7 @@ DEFAULTS = {
     "dist": dict(backend="auto", timeout_s=600, reducer="torch", bucket_mb=25.0,
                  grad_compression="none"),
 }
-# Without a CUDA GPU these replace the defaults the config file left as they are: the whole demo
-# then ends in minutes on a laptop.
+# Without a CUDA GPU these replace the defaults the config left: the demo ends in minutes on a laptop
 CPU_PRESET = {"model.n_layer": 2, "model.n_head": 4, "model.n_embd": 128, "train.seq_len": 128,
               "train.global_batch_size": 32, "train.micro_batch_size": 16, "train.max_steps": 200,
               "train.eval_every": 50, "train.eval_batches": 4, "optim.lr": 2e-3,
@@ -418,8 +416,7 @@ def gather_full_model(raw_model, reader):
 # ---------------------------------------------------------------------- the checkpoint (section 6)
 
 CHECKPOINT_FILES = [".metadata", "train_state.pt", "checksums.json"]  # DCP writes .metadata last
-# keys a resumed run must share with its checkpoint (they shape the model), and the value a
-# checkpoint written before the key existed had
+# keys that shape the model, so a resumed run must share them, and the value before a key existed
 MODEL_KEYS = {"model.type": None, "model.n_layer": None, "model.n_head": None,
               "model.n_embd": None, "model.pretrained": None, "model.intermediate_size": 0,
               "model.tie_word_embeddings": "auto", "model.embedding_gpu_rows": 0}
@@ -759,9 +756,8 @@ def check_shared_directory(ckpt_dir):
     def check_marker():
         marker = ckpt_dir / f".shared-{token}"
         if not marker.is_file() or marker.read_text() != token:
-            die(f"checkpoint.dir={ckpt_dir} is not the directory rank 0 writes to (its marker file "
-                "is not there) -> put checkpoint.dir on a filesystem every node mounts at the same "
-                "path")
+            die(f"checkpoint.dir={ckpt_dir} is not the directory rank 0 writes to -> put it on a "
+                "filesystem every node mounts at the same path")
 
     token = on_rank0(secrets.token_hex, 8)
     on_rank0(write_marker)
@@ -819,8 +815,7 @@ CHOICES = {
     "train.compile": ["auto", "true", "false"],
     "dist.backend": ["auto", "nccl", "gloo"],
 }
-# What each number may be: a value of the right type can still train wrongly and exit 0
-# (grad_clip=-1 flips every gradient, warmup_steps=-5 starts with a negative rate).
+# What each number may be: grad_clip=-1 would flip every gradient and still exit 0
 RANGES = {
     **dict.fromkeys(["model.n_layer", "model.n_head", "model.n_embd", "train.global_batch_size",
                      "train.micro_batch_size", "train.max_steps", "train.eval_every", "log.every",
@@ -1053,9 +1048,7 @@ def choose_precision(requested, device):
         die("train.precision=fp16 needs a CUDA GPU (GradScaler) -> use fp32 or bf16 on a CPU")
     if requested != "auto":
         return requested
-    # Not torch.cuda.is_bf16_supported(): True on V100 and T4, which emulate bf16, so fp16 and its
-    # GradScaler would never run where they are needed. bf16 tensor cores start with Ampere (8.0).
-
+    # not torch.cuda.is_bf16_supported(): True on V100 and T4, which only emulate bf16
     if device.type != "cuda":
         return "fp32"
     return "bf16" if torch.cuda.get_device_capability(device) >= (8, 0) else "fp16"
@@ -1400,8 +1393,7 @@ def build_model(cfg, reader, meta, device):
             "directory written by save_pretrained")
     reader.adapt_pretrained(model, cfg, meta)
     if config.tied_by_the_model and not config.tie_word_embeddings:
-        # a tied checkpoint holds one table, and transformers would leave an untied output layer
-        # random: it starts as the copy it was while tied
+        # a tied checkpoint holds one table: transformers would leave the untied output layer random
         model.get_output_embeddings().weight.data.copy_(model.get_input_embeddings().weight.data)
         log0("untied the output layer from the input embedding (model.tie_word_embeddings=false): "
              "it starts as a copy")
@@ -1420,8 +1412,8 @@ def choose_attention(requested, device, sdpa, architecture=None):
     if requested == "auto" and not supports["sdpa"]:
         return "eager"
     if requested == "auto" and sdpa != "sdpa":
-        # transformers' "sdpa" builds an explicit mask under torch.compile (all true here), and
-        # SDPA runs no flash kernel with one: ours passes none; SDPA's is_causal is the model's.
+        # transformers' "sdpa" builds an all-true mask under torch.compile, and SDPA runs no flash
+        # kernel with one: ours passes none
         AttentionInterface.register(sdpa, sdpa_attention_forward)
         AttentionMaskInterface.register(sdpa, lambda *args, **kwargs: None)
         return sdpa
@@ -1540,9 +1532,8 @@ def report_memory(setup, step, optimizer, predicted):
                  f"{mib['reserved_bytes'] - mib['peak_bytes']:,.1f} MiB above the peak)")
     log0(line)
     embedding = held(setup.raw_model.get_input_embeddings().parameters())
-    log0(f"step {step} | input embedding (weights, gradients, optimizer state): "
-         + ", ".join(f"{size / 2**20:,.1f} MiB on {kind}"
-                     for kind, size in sorted(embedding.items())))
+    log0(f"step {step} | input embedding (weights, gradients, optimizer state): " + ", ".join(
+        f"{size / 2**20:,.1f} MiB on {kind}" for kind, size in sorted(embedding.items())))
 
 
 # ----------------------------------------------------------------------------- 7. training loop
@@ -1584,8 +1575,7 @@ def log_interval(interval, setup, run, result):
     loss_sum = interval.loss_sum.item()  # waits for the GPU: the clock then counts finished work
     now = time.perf_counter()  # the next interval starts here: it pays for this line's work
     elapsed = now - interval.start - interval.paused_s
-    # Every rank's busy time (the interval less its waits for the others at the step's sync) and the
-    # share of it its device sat idle while its host built batches: the slowest rank holds up all.
+    # every rank's busy time (less its waits for the others) and its device's idle share
     per_rank = gather_floats([elapsed - setup.sync_wait.total_s(),
                               setup.data_wait.total_s() / elapsed], setup.device)
     busy = [busy_s for busy_s, _ in per_rank]
@@ -1761,8 +1751,7 @@ def gather_floats(values, device):
     return torch.stack(everyone).tolist()
 
 
-# Dense bf16 tensor-core peak per GPU (no sparsity), TFLOP/s, from NVIDIA's datasheets, by the exact
-# name torch.cuda.get_device_name() reports: a substring match would read "NVIDIA L40" as an L4.
+# Dense bf16 peak TFLOP/s (NVIDIA's datasheets) by exact device name: "NVIDIA L40" is not an L4
 PEAK_BF16_TFLOPS = {"NVIDIA H200": 989, "NVIDIA H100 80GB HBM3": 989, "NVIDIA H100 PCIe": 756,
                     "NVIDIA A100-SXM4-80GB": 312, "NVIDIA A100-SXM4-40GB": 312,
                     "NVIDIA A100 80GB PCIe": 312, "NVIDIA A100-PCIE-40GB": 312}
@@ -1812,8 +1801,7 @@ def report_lost_ranks(error):
     rank, text = dist.get_rank(), first_line(error)
     if "timed out" not in text.lower() and "timeout" not in text.lower():
         print(f"error: rank {rank} lost contact with another rank ({text}) -> look above for the "
-              "first rank that failed; launch.sh restarts the job from the last checkpoint "
-              "(MAX_RESTARTS)", file=sys.stderr, flush=True)
+              "first rank that failed", file=sys.stderr, flush=True)
         return
     silent = "unknown"
     with contextlib.suppress(Exception):  # the store may have gone with the failure: say nothing
@@ -1822,9 +1810,8 @@ def report_lost_ranks(error):
         time.sleep(3)
         silent = [other for other in range(dist.get_world_size())
                   if not store.check([f"timed_out/{other}"])] or "none"
-    print(f"error: rank {rank}: a collective waited longer than dist.timeout_s; ranks that stopped "
-          f"answering: {silent} -> look at their logs (a hang, a deadlock, a dead node); raise "
-          "dist.timeout_s if they are only slow", file=sys.stderr, flush=True)
+    print(f"error: rank {rank}: a collective waited past dist.timeout_s; ranks that stopped "
+          f"answering: {silent} -> read their logs, or raise dist.timeout_s", file=sys.stderr)
 
 
 # ======================================================================= sample draws: begin
@@ -1849,8 +1836,7 @@ def splitmix64(values):
 
 
 # ============================================================================== MLM: begin
-# Masked-LM models (BERT, RoBERTa, ...). Delete this block and the lines tagged # MLM for a trainer
-# of causal language models only.
+# Masked-LM models (BERT, RoBERTa, ...). Delete this block and the lines tagged # MLM.
 
 # masked LMs' knobs, as config.yaml gives them (model.task=auto: a masked LM where the type has one)
 DEFAULTS["model"]["task"], CHOICES["model.task"] = "auto", ["auto", "causal", "mlm"]
@@ -1984,21 +1970,18 @@ def masked_positions(seed, epochs, sample_ids, lengths, width, probability):
 
 
 # ============================================================================== images: begin
-# Image classification with ViT: data from `preprocess.py --images`. Delete this block and the lines
-# tagged # images for a trainer of language models only.
+# Image classification with ViT (`preprocess.py --images`). Delete it and the lines tagged # images.
 
 # image models' knobs, as config.yaml gives them
 DEFAULTS["model"]["patch_size"], MODEL_KEYS["model.patch_size"] = 0, 0
 DEFAULTS["train"].update(crop_padding=4, hflip=False)
 RANGES.update(dict.fromkeys(["model.patch_size", "train.crop_padding"], (0, None)))
-# Without a CUDA GPU and for model.type=vit, these replace CPU_PRESET's values: a small ViT from
-# scratch needs more steps and no random crops to reach 90% on the digits within minutes.
+# a ViT without a GPU: more steps, no random crops, to reach 90% on the digits within minutes
 CPU_PRESET_IMAGES = {"train.max_steps": 1000, "train.eval_every": 250, "train.crop_padding": 0,
                      "optim.lr": 3e-3, "optim.min_lr": 3e-4, "optim.warmup_steps": 50,
                      "checkpoint.every": 250}
 DIGITS_DIR = "data/digits"  # where an image model's default data, the digits, is prepared
-# With a CUDA GPU, model.type=vit and data.dir at its default (the digits), these replace the
-# defaults: the same small ViT, not compiled (compiling it takes longer than its 1,000 steps).
+# a ViT on a GPU on the digits: small and not compiled (compiling takes longer than 1,000 steps)
 GPU_PRESET_DIGITS = {"model.n_layer": 2, "model.n_head": 4, "model.n_embd": 128,
                      "train.global_batch_size": 32, "train.micro_batch_size": 32,
                      "train.max_steps": 1000, "train.eval_every": 500, "train.crop_padding": 0,
@@ -2239,16 +2222,15 @@ def check_classes(train_state, meta, path, cfg):
     classes = train_state.get("classes", meta.get("classes"))
     if classes != meta.get("classes"):
         die(f"checkpoint {path} was trained on the classes {classes}, {cfg.data.dir} has "
-            f"{meta.get('classes')} -> give the data.dir it was trained on, or start afresh in "
-            "another checkpoint.dir")
+            f"{meta.get('classes')} -> give its data.dir, or another checkpoint.dir")
 
 
 # ============================================================================== images: end
 
 
 # ============================================================================== metrics: begin
-# Optional exporters: TensorBoard scalars (rank 0), a Prometheus endpoint per process, NVML's GPU
-# utilisation. Delete this block and the lines tagged # metrics: metrics.jsonl stays.
+# TensorBoard, Prometheus and NVML's GPU utilisation. Delete this block and the lines tagged
+# # metrics: metrics.jsonl stays.
 
 def start_exporters(cfg, step, device):
     """Each exporter asked for, or None where its package is missing (said in one line)."""
@@ -2352,11 +2334,8 @@ def stop_exporters(exporters):
 
 
 # ============================================================================== fp8: begin
-# train.precision=fp8: the repeated blocks' linear layers multiply in float8 through torchao's
-# float8 training (tensorwise recipe: one scale per tensor, from its current maximum), everything
-# else under bf16 autocast as train.precision=bf16. The weights stay fp32 parameters under the
-# same names, so checkpoints and the export are those of a bf16 run. MFU is counted against the
-# bf16 peak, so that the two precisions compare.
+# train.precision=fp8: the blocks' linear layers multiply in float8 (torchao, tensorwise), the rest
+# as bf16; weights stay fp32, so checkpoints and export are a bf16 run's. MFU: the bf16 peak.
 
 def fp8_refusal(device, use_compile):
     """Why fp8 cannot pay here, or None: it needs float8 tensor cores, torch.compile and torchao."""
@@ -2435,9 +2414,8 @@ def compile_fp8_blocks(model, cfg, use_compile):
 
 
 # ============================================================================== faults: begin
-# Fault injection for the tests, off unless FAULT=kind:rank:step[,...] is set (kill, kill-in-save,
-# hang, nan, slow), on a job's first attempt only, so a restarted job runs clean. Delete this block
-# and the lines tagged # FAULT: nothing else changes.
+# Fault injection for the tests: FAULT=kind:rank:step[,...], on a job's first attempt only. Delete
+# this block and the lines tagged # FAULT: nothing else changes.
 
 def fault(kind, step):
     specs = os.environ.get("FAULT")
@@ -2495,8 +2473,8 @@ if __name__ == "__main__":
     try:
         try:
             main()
-            # Not at the end of main(): the sharded model holds the process group; freed after the
-            # group is gone, it would run the group's destructor itself and can deadlock there.
+            # the sharded model, freed after the group is gone, can deadlock in its destructor
+
             gc.collect()
             if dist.is_initialized():  # not with --check
                 dist.destroy_process_group()
