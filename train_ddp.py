@@ -72,7 +72,7 @@ DEFAULTS = {
     "dist": dict(backend="auto", timeout_s=600, reducer="torch", bucket_mb=25.0,
                  grad_compression="none"),
 }
-# Without a CUDA GPU these replace the defaults the config left: the demo ends in minutes on a laptop
+# without a CUDA GPU these replace the defaults the config left: a demo of minutes on a laptop
 CPU_PRESET = {"model.n_layer": 2, "model.n_head": 4, "model.n_embd": 128, "train.seq_len": 128,
               "train.global_batch_size": 32, "train.micro_batch_size": 16, "train.max_steps": 200,
               "train.eval_every": 50, "train.eval_batches": 4, "optim.lr": 2e-3,

@@ -80,7 +80,7 @@ DEFAULTS = {
     "dist": dict(backend="auto", timeout_s=600, reducer="torch", bucket_mb=25.0,
                  grad_compression="none"),
 }
-# Without a CUDA GPU these replace the defaults the config left: the demo ends in minutes on a laptop
+# without a CUDA GPU these replace the defaults the config left: a demo of minutes on a laptop
 CPU_PRESET = {"model.n_layer": 2, "model.n_head": 4, "model.n_embd": 128, "train.seq_len": 128,
               "train.global_batch_size": 32, "train.micro_batch_size": 16, "train.max_steps": 200,
               "train.eval_every": 50, "train.eval_batches": 4, "optim.lr": 2e-3,
@@ -2229,8 +2229,8 @@ def check_classes(train_state, meta, path, cfg):
 
 
 # ============================================================================== metrics: begin
-# TensorBoard, Prometheus and NVML's GPU utilisation. Delete this block and the lines tagged
-# # metrics: metrics.jsonl stays.
+# TensorBoard, Prometheus, NVML's GPU utilisation. Delete it and the lines tagged # metrics:
+# metrics.jsonl stays.
 
 def start_exporters(cfg, step, device):
     """Each exporter asked for, or None where its package is missing (said in one line)."""
