@@ -1284,8 +1284,8 @@ def token_loss_sum(logits, labels):
 
 def loss_function(use_compile):
     """token_loss_sum, compiled on its own: the fp32 upcast, log-softmax and gather fuse."""
-    loss_of = torch.compile(token_loss_sum) if use_compile else token_loss_sum
-    return loss_of
+    return torch.compile(token_loss_sum) if use_compile else token_loss_sum
+
 
 
 # ----------------------------------------------------------------------------- 4. model
@@ -1404,8 +1404,7 @@ def flash_attn_available():
 
 
 def repeated_blocks(model):
-    """The members of the model's outermost nn.ModuleLists (its blocks), but none holding the input
-    embedding (a tied output layer shares its weight)."""
+    """The members of the outermost nn.ModuleLists (blocks), none holding the input embedding."""
     embedding, blocks = model.get_input_embeddings(), []
     for module in model.modules():  # parents before children
         if isinstance(module, torch.nn.ModuleList) and not any(
@@ -1970,8 +1969,7 @@ PRESETS.update(cpu_preset_images=CPU_PRESET_IMAGES, gpu_preset_digits=GPU_PRESET
 
 
 def image_preset(flat, name, preset, presets, use_cuda):
-    """An image model's preset and name: data.dir the digits; for a ViT cpu_preset_images on a CPU,
-    gpu_preset_digits on a GPU with the digits."""
+    """An image model's preset and its name: cpu_preset_images, gpu_preset_digits or images."""
     if not image_model_type(flat["model.type"], flat["model.pretrained"]):
         return name, preset
     if flat["model.type"] == "vit" and not use_cuda:
@@ -2071,8 +2069,7 @@ def vit_flops_counter(raw_model, attention, cfg):
 
 
 def export_image_model(raw_model, data_dir, meta, final_dir, cfg, device):
-    """save_pretrained and the image processor that resizes and crops as preprocess.py did, then
-    normalises: pipeline("image-classification", model=final_dir) classifies."""
+    """save_pretrained and an image processor that prepares images as preprocess.py did."""
     size = meta["image_size"]
     if raw_model.config._attn_implementation == "sdpa_unmasked":  # registered in this process only
         raw_model.set_attn_implementation("sdpa")
@@ -2162,10 +2159,8 @@ class ArrowImages:
         return out
 
     def micro_batch(self, sample_ids, epochs, cfg, device):
-        """Images go to the device as uint8 (a quarter of float32's bytes), there to be cropped at
-        random from a zero-padded frame (train.crop_padding), flipped (train.hflip) and normalised,
-        by hashes of (seed, epoch, sample): alike on any number of ranks. In validation the samples
-        past the split's end (epochs > 0) only pad the last batch: their labels are ignored."""
+        """uint8 to the device, there cropped, flipped and normalised by hashes of (seed, epoch,
+        sample); validation ignores the labels past the split's end (epochs > 0)."""
         sample_ids = np.asarray(sample_ids, dtype=np.int64)
         epochs = np.asarray(epochs, dtype=np.int64)
         pixels = torch.from_numpy(self.pixels(sample_ids))
@@ -2456,8 +2451,7 @@ def untier(raw_model, device):
 
 
 def step_input_ids(split_data, position, cfg, micro_batches):
-    """Every input id of the global batch at `position`, all ranks', flat: the others' are built
-    from the shared plan (no communication, no wait for the GPU)."""
+    """Every input id of the global batch at `position`, all ranks' (from the shared plan)."""
     plan = split_data.plan(position, cfg.train.seed, cfg, dist.get_world_size())
     others = [split_data.micro_batch(ids, epochs, cfg, torch.device("cpu"))["inputs"]["input_ids"]
               for rank, rank_plan in enumerate(plan) if rank != dist.get_rank()
