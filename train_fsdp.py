@@ -387,8 +387,7 @@ def gradient_sync(raw_model, use_compile):
 
 
 def local(tensor, whole=False):
-    """This rank's shard of a sharded tensor (whole=True: all shards, alike on every rank); one
-    rank's unsharded tensor as it is."""
+    """This rank's shard of a sharded tensor (whole=True: all shards); an unsharded one as it is."""
     if not isinstance(tensor, DTensor):
         return tensor
     return tensor.full_tensor() if whole else tensor.to_local()
@@ -783,10 +782,10 @@ def changed_settings(saved_config, cfg):
 
 
 def weights_are_finite(raw_model):
-    """Each rank checks its shards, then all agree; one wait for the GPU, only before a checkpoint
-    or the export."""
+    """Each rank checks its shards, then all agree; one wait for the GPU (checkpoint, export)."""
     finite = torch.stack([torch.isfinite(local(p)).all() for p in raw_model.parameters()])
     finite = finite.all().float()
+
     dist.all_reduce(finite, op=dist.ReduceOp.MIN)
     return bool(finite)
 
@@ -2386,13 +2385,11 @@ def train_in_fp8(model, cfg, device, use_compile, sharded):
 
 
 def fp8_scales_after_update(raw_model, cfg):
-    """The float8 scales of every updated weight for the next gathers, in one all-reduce (else each
-    gather finds its own)."""
-    if cfg.train.precision != "fp8":
-        return
-    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+    """The next gathers' float8 scales in one all-reduce (else each gather finds its own)."""
+    if cfg.train.precision == "fp8":
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+        precompute_float8_dynamic_scale_for_fsdp(raw_model)
 
-    precompute_float8_dynamic_scale_for_fsdp(raw_model)
 
 
 def compile_fp8_blocks(model, cfg, use_compile):
