@@ -930,8 +930,8 @@ def read_yaml(path):
         die(f"{path} is not valid YAML at {where} ({getattr(error, 'problem', None) or error}) -> "
             "fix that line")
     if not isinstance(tree, dict):
-        die(f"{path} does not hold `key: value` sections -> start from this repository's "
-            "config.yaml")
+        die(f"{path} does not hold `key: value` sections -> copy the repository's config.yaml")
+
     return tree
 
 
@@ -1421,11 +1421,10 @@ def choose_attention(requested, device, sdpa, architecture=None):
 
 
 def flash_attn_available():
-    try:
+    with contextlib.suppress(ImportError):
         import flash_attn  # noqa: F401
         return True
-    except ImportError:
-        return False
+    return False
 
 
 def repeated_blocks(model):
