@@ -879,15 +879,15 @@ def load_config(args, use_cuda):
     if applied:
         log0(f"preset {preset_name}: {', '.join(f'{k}={v}' for k, v in applied.items())} (keys "
              "left at their defaults; give one to override it)")
-    tree = {}
+    tree = {}  # `section.key` settings as cfg.section.key
     for key, value in flat.items():
-        *sections, name = key.split(".")
-        node = tree
-        for section in sections:
-            node = node.setdefault(section, {})
-        node[name] = value
-    return SimpleNamespace(**{k: SimpleNamespace(**v) if isinstance(v, dict) else v
-                              for k, v in tree.items()})
+        section, dot, name = key.partition(".")
+        if dot:
+            setattr(tree.setdefault(section, SimpleNamespace()), name, value)
+        else:
+            tree[key] = value
+    return SimpleNamespace(**tree)
+
 
 
 def read_yaml(path):
