@@ -1786,7 +1786,7 @@ def report_lost_ranks(error):
         time.sleep(3)
         silent = [other for other in range(dist.get_world_size())
                   if not store.check([f"timed_out/{other}"])] or "none"
-    print(f"error: rank {rank}: a collective waited past dist.timeout_s; ranks that stopped "
+    print(f"error: rank {rank}: a collective waited longer than dist.timeout_s; ranks that stopped "
           f"answering: {silent} -> read their logs, or raise dist.timeout_s", file=sys.stderr)
 
 
