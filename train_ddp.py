@@ -1777,7 +1777,9 @@ def report_lost_ranks(error):
     rank, text = dist.get_rank(), first_line(error)
     if "timed out" not in text.lower() and "timeout" not in text.lower():
         print(f"error: rank {rank} lost contact with another rank ({text}) -> look above for the "
-              "first rank that failed", file=sys.stderr, flush=True)
+              "first rank that failed; launch.sh restarts from the last checkpoint",
+              file=sys.stderr, flush=True)
+
         return
     silent = "unknown"
     with contextlib.suppress(Exception):  # the store may have gone with the failure: say nothing
