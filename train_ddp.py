@@ -1283,7 +1283,9 @@ def token_loss_sum(logits, labels):
 
 def loss_function(use_compile):
     """token_loss_sum, compiled on its own: the fp32 upcast, log-softmax and gather fuse."""
-    return torch.compile(token_loss_sum) if use_compile else token_loss_sum
+    loss_of = torch.compile(token_loss_sum) if use_compile else token_loss_sum
+    return loss_of
+
 
 
 
