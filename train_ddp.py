@@ -889,7 +889,6 @@ def load_config(args, use_cuda):
     return SimpleNamespace(**tree)
 
 
-
 def read_yaml(path):
     try:
         tree = yaml.load(path.read_text(), Loader=ConfigLoader)
@@ -1287,8 +1286,6 @@ def loss_function(use_compile):
     return loss_of
 
 
-
-
 # ----------------------------------------------------------------------------- 4. model
 
 def load_pretrained_config(path):
@@ -1505,7 +1502,6 @@ def report_memory(setup, step, optimizer, predicted):
     embedding = held(setup.raw_model.get_input_embeddings().parameters())
     log0(f"step {step} | input embedding (weights, gradients, optimizer state): " + ", ".join(
         f"{size / 2**20:,.1f} MiB on {kind}" for kind, size in sorted(embedding.items())))
-
 
 
 # ----------------------------------------------------------------------------- 7. training loop

@@ -2392,7 +2392,6 @@ def fp8_scales_after_update(raw_model, cfg):
         precompute_float8_dynamic_scale_for_fsdp(raw_model)
 
 
-
 def compile_fp8_blocks(model, cfg, use_compile):
     """Under fp8 each block compiles on its own, not the whole model (False): fp8's whole graph
     compiles far slower (bench/RESULTS.md)."""
