@@ -515,7 +515,6 @@ def publish(temporary, final, keep):
 
 
 def cannot_write(ckpt_dir, error, needed):
-    """The one line for a checkpoint that could not be written, with the disk's free space."""
     free = shutil.disk_usage(ckpt_dir).free if ckpt_dir.exists() else 0
     return (f"cannot write checkpoint to {ckpt_dir} ({first_line(error)}): {free / 2**20:,.1f} MiB "
             f"free there, a checkpoint needs about {needed / 2**20:,.1f} MiB -> free disk space or "
@@ -523,7 +522,6 @@ def cannot_write(ckpt_dir, error, needed):
 
 
 def tensor_bytes(state):
-    """The bytes of every tensor in a nested state dict."""
     if torch.is_tensor(state):
         return state.numel() * state.element_size()
     if isinstance(state, dict):
@@ -1087,7 +1085,6 @@ def on_all_ranks(function, *args):
 # ----------------------------------------------------------------------------- 3. data
 
 def prepare_command(data_dir):
-    """The command that prepares text into data_dir: the default corpus, or the user's text."""
     source = "" if str(data_dir) == DEFAULTS["data"]["dir"] else " --input YOUR_TEXT"
     return f"python preprocess.py{source} --out {data_dir}"
 
@@ -1170,7 +1167,6 @@ class ArrowTokens:
         return f"vocab {self.vocab_size} padded to {config.vocab_size}"
 
     def span(self, start, length):
-        """`length` tokens of the stream from `start`, across shard boundaries if need be."""
         out, filled = np.empty(length, dtype=np.int64), 0
         piece = int(np.searchsorted(self.piece_starts, start, side="right")) - 1
         while filled < length:
@@ -1574,7 +1570,6 @@ def log_interval(interval, setup, run, result):
 
 
 def log_line(record, max_steps):
-    """The console's compact line: each figure only where it exists."""
     r, known = record, {key for key, value in record.items() if value is not None}
     minutes, seconds = divmod(int(r["eta_s"]), 60)
     hours, minutes = divmod(minutes, 60)
@@ -1629,7 +1624,6 @@ def validate(model, val_data, setup, step):
 
 
 def stop_message(cfg, step):
-    """The line a stopped run ends with, and the command that goes on from there."""
     if not cfg.checkpoint.every:
         return (f"stopped at step {step} by a stop signal; no checkpoint (checkpoint.every=0) "
                 "-> the same command trains these steps again; set checkpoint.every to keep them")
@@ -1679,7 +1673,6 @@ def open_metrics(out_dir, step):
 
 
 def write_metrics(setup, record):
-    """Append a record to metrics.jsonl (rank 0); returns it as written."""
     record = export_metrics(setup, record)  # metrics
     if setup.metrics:
         setup.metrics.write(json.dumps(record) + "\n")
@@ -1978,7 +1971,6 @@ def image_preset(flat, name, preset, presets, use_cuda):
 
 
 def prepare_images_command(data_dir):
-    """The command that prepares images into data_dir: the digits, or the user's images."""
     source = "" if str(data_dir) == DIGITS_DIR else " YOUR_IMAGES"
     return f"python preprocess.py --images{source} --out {data_dir}"
 
@@ -2148,7 +2140,6 @@ class ArrowImages:
         return -(-len(self) // cfg.train.global_batch_size)
 
     def pixels(self, sample_ids):
-        """The uint8 images of sample_ids, batch x height x width x RGB, gathered across files."""
         pieces = np.searchsorted(self.piece_starts, sample_ids, side="right") - 1
         out = np.empty((len(sample_ids), self.size, self.size, 3), dtype=np.uint8)
         for piece in np.unique(pieces):
@@ -2422,7 +2413,6 @@ def hottest_token_ids(frequencies, rows, count):
 
 
 def stage_tiered(raw_model, split_data, position, batches, cfg):
-    """Start copying the CPU rows of the step at `position` to the GPU (TieredEmbedding.stage)."""
     embedding = raw_model.get_input_embeddings()
     if isinstance(embedding, TieredEmbedding):
         embedding.stage(batches[0], step_input_ids(split_data, position, cfg, batches[0]))
@@ -2642,7 +2632,6 @@ class TieredEmbedding(torch.nn.Module):
                 table.index_copy_(0, written.rows, values)
 
     def held_mib(self, optimizer):
-        """MiB per device type this module holds, with gradients and AdamW state."""
         tensors = [self.hot_weight, self.hot_weight.grad, *self.cold_tables(),
                    *optimizer.state.get(self.hot_weight, {}).values()]
         if self.current is not None:
