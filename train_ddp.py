@@ -897,7 +897,6 @@ def read_yaml(path):
             "fix that line")
     if not isinstance(tree, dict):
         die(f"{path} does not hold `key: value` sections -> copy the repository's config.yaml")
-
     return tree
 
 
@@ -1770,7 +1769,6 @@ def report_lost_ranks(error):
         print(f"error: rank {rank} lost contact with another rank ({text}) -> look above for the "
               "first rank that failed; launch.sh restarts from the last checkpoint",
               file=sys.stderr, flush=True)
-
         return
     silent = "unknown"
     with contextlib.suppress(Exception):  # the store may have gone with the failure: say nothing
@@ -1888,7 +1886,6 @@ class MaskedTokens(ArrowTokens):
     @staticmethod
     def flops_counter(raw_model, attention, cfg):
         """A query sees its micro-batch's padded positions; with FlashAttention-2 its own."""
-
         def shape_of(lengths):
             padded = padded_length(max(lengths), cfg.train.pad_to_multiple, cfg.train.seq_len)
             if attention == "flash_attention_2":
@@ -2340,7 +2337,6 @@ def time_stamp():
 
 def comm_figures(times):
     """The interval's p50/p95 all-reduce ms and exposed communication per step (None: untimed)."""
-
     latency_ms = span_ms(times.allreduce) if times else []
     exposed_ms = [max(0.0, ms) for ms in span_ms(times.exposed)] if times else []
     percentile = {q: float(np.percentile(latency_ms, q)) if latency_ms else None for q in (50, 95)}
@@ -2683,7 +2679,6 @@ def fp8_refusal(device, use_compile):
     if device.type != "cuda":
         return ("train.precision=fp8 needs an NVIDIA GPU with float8 tensor cores (compute "
                 "capability 8.9 or later) -> use train.precision=bf16 or fp32 here")
-
     capability = torch.cuda.get_device_capability(device)
     if capability < (8, 9):
         return (f"train.precision=fp8 needs float8 tensor cores (compute capability 8.9 or later), "

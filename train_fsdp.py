@@ -387,7 +387,8 @@ def gradient_sync(raw_model, use_compile):
 
 
 def local(tensor, whole=False):
-    """This rank's shard of a sharded tensor (whole=True: all shards); an unsharded one as it is."""
+    """This rank's shard of a sharded tensor (whole=True: all shards, alike on every rank); one
+    rank's unsharded tensor as it is."""
     if not isinstance(tensor, DTensor):
         return tensor
     return tensor.full_tensor() if whole else tensor.to_local()
@@ -783,7 +784,6 @@ def weights_are_finite(raw_model):
     """Each rank checks its shards, then all agree; one wait for the GPU (checkpoint, export)."""
     finite = torch.stack([torch.isfinite(local(p)).all() for p in raw_model.parameters()])
     finite = finite.all().float()
-
     dist.all_reduce(finite, op=dist.ReduceOp.MIN)
     return bool(finite)
 
@@ -928,7 +928,6 @@ def read_yaml(path):
             "fix that line")
     if not isinstance(tree, dict):
         die(f"{path} does not hold `key: value` sections -> copy the repository's config.yaml")
-
     return tree
 
 
@@ -1791,7 +1790,6 @@ def report_lost_ranks(error):
         print(f"error: rank {rank} lost contact with another rank ({text}) -> look above for the "
               "first rank that failed; launch.sh restarts from the last checkpoint",
               file=sys.stderr, flush=True)
-
         return
     silent = "unknown"
     with contextlib.suppress(Exception):  # the store may have gone with the failure: say nothing
@@ -1909,7 +1907,6 @@ class MaskedTokens(ArrowTokens):
     @staticmethod
     def flops_counter(raw_model, attention, cfg):
         """A query sees its micro-batch's padded positions; with FlashAttention-2 its own."""
-
         def shape_of(lengths):
             padded = padded_length(max(lengths), cfg.train.pad_to_multiple, cfg.train.seq_len)
             if attention == "flash_attention_2":
@@ -2328,7 +2325,6 @@ def fp8_refusal(device, use_compile):
     if device.type != "cuda":
         return ("train.precision=fp8 needs an NVIDIA GPU with float8 tensor cores (compute "
                 "capability 8.9 or later) -> use train.precision=bf16 or fp32 here")
-
     capability = torch.cuda.get_device_capability(device)
     if capability < (8, 9):
         return (f"train.precision=fp8 needs float8 tensor cores (compute capability 8.9 or later), "
@@ -2455,7 +2451,6 @@ if __name__ == "__main__":
         try:
             main()
             # the sharded model, freed after the group is gone, can deadlock in its destructor
-
             gc.collect()
             if dist.is_initialized():  # not with --check
                 dist.destroy_process_group()
