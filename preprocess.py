@@ -389,9 +389,8 @@ def parse_args():
 
 
 class ConfigLoader(yaml.SafeLoader):
-    """YAML that reads what a config means: 3e-4 is a float (PyYAML's YAML 1.1 needs 1.0e-4); 010,
-    0x10 and 1:30 are not numbers (YAML 1.1 reads 8, 16, 90); only true and false are booleans
-    (not yes, no, on, off); a key given twice is an error, not a silent replacement."""
+    """YAML as a config means it: 3e-4 is a float; 010, 0x10, 1:30, yes and off stay strings (YAML
+    1.1 reads numbers and booleans); a key given twice is an error, not a silent replacement."""
 
     def construct_mapping(self, node, deep=False):
         seen_at = {}

@@ -692,8 +692,7 @@ def validate(model, val_data, setup, step):
 
 # ----------------------------------------------------------------------------- 1. config
 
-# Every knob and its default (an optional part adds its own in its block); config.yaml holds the
-# same values, each with the reason for it.
+# Every knob and its default (optional parts add theirs); config.yaml holds them with reasons.
 DEFAULTS = {
     "out_dir": "out", "export": True,
     "model": dict(type="gpt2", pretrained="", n_layer=12, n_head=12, n_embd=768,
@@ -712,8 +711,7 @@ DEFAULTS = {
     "dist": dict(backend="auto", timeout_s=600, reducer="torch", bucket_mb=25.0,
                  grad_compression="none"),
 }
-# Without a CUDA GPU these replace the defaults the config file left as they are: the whole demo
-# then ends in minutes on a laptop.
+# without a CUDA GPU these replace the defaults the config left: a demo of minutes on a laptop
 CPU_PRESET = {"model.n_layer": 2, "model.n_head": 4, "model.n_embd": 128, "train.seq_len": 128,
               "train.global_batch_size": 32, "train.micro_batch_size": 16, "train.max_steps": 200,
               "train.eval_every": 50, "train.eval_batches": 4, "optim.lr": 2e-3,
@@ -738,8 +736,7 @@ CHOICES = {
     "dist.reducer": ["torch", "inline", "naive"],  # DDP
     "dist.grad_compression": ["none", "bf16"],  # DDP
 }
-# What each number may be: a value of the right type can still train wrongly and exit 0
-# (grad_clip=-1 flips every gradient, warmup_steps=-5 starts with a negative rate).
+# What each number may be: grad_clip=-1 would flip every gradient and still exit 0
 RANGES = {
     **dict.fromkeys(["model.n_layer", "model.n_head", "model.n_embd", "train.global_batch_size",
                      "train.micro_batch_size", "train.max_steps", "train.eval_every", "log.every",
@@ -762,9 +759,8 @@ def in_range(value, low, high):
 
 
 class ConfigLoader(yaml.SafeLoader):
-    """YAML that reads what a config means: 3e-4 is a float (PyYAML's YAML 1.1 needs 1.0e-4); 010,
-    0x10 and 1:30 are not numbers (YAML 1.1 reads 8, 16, 90); only true and false are booleans
-    (not yes, no, on, off); a key given twice is an error, not a silent replacement."""
+    """YAML as a config means it: 3e-4 is a float; 010, 0x10, 1:30, yes and off stay strings (YAML
+    1.1 reads numbers and booleans); a key given twice is an error, not a silent replacement."""
 
     def construct_mapping(self, node, deep=False):
         seen_at = {}
@@ -797,10 +793,8 @@ PREPROCESS_KEYS = {"data.vocab_size": "--vocab-size", "data.val_fraction": "--va
 
 
 def load_config(args, use_cuda):
-    """DEFAULTS, then config.yaml beside this file (or the .yaml given first), then key=value
-    arguments (of a key given twice, the last); each value must have the type of its default. A
-    preset (no GPU; or an optional part's) sets only keys that the file and the arguments left at
-    their defaults, and says which."""
+    """DEFAULTS, then config.yaml (or the .yaml given first), then key=value arguments; a preset
+    sets only the keys both left at their defaults, and says which."""
     defaults = flatten(DEFAULTS)
     flat, presets = dict(defaults), dict(PRESETS)
     config_path = Path(__file__).with_name("config.yaml")
@@ -839,15 +833,14 @@ def load_config(args, use_cuda):
     if applied:
         log0(f"preset {preset_name}: {', '.join(f'{k}={v}' for k, v in applied.items())} (keys "
              "left at their defaults; give one to override it)")
-    tree = {}
+    tree = {}  # `section.key` settings as cfg.section.key
     for key, value in flat.items():
-        *sections, name = key.split(".")
-        node = tree
-        for section in sections:
-            node = node.setdefault(section, {})
-        node[name] = value
-    return SimpleNamespace(**{k: SimpleNamespace(**v) if isinstance(v, dict) else v
-                              for k, v in tree.items()})
+        section, dot, name = key.partition(".")
+        if dot:
+            setattr(tree.setdefault(section, SimpleNamespace()), name, value)
+        else:
+            tree[key] = value
+    return SimpleNamespace(**tree)
 
 
 def read_yaml(path):
@@ -859,8 +852,7 @@ def read_yaml(path):
         die(f"{path} is not valid YAML at {where} ({getattr(error, 'problem', None) or error}) -> "
             "fix that line")
     if not isinstance(tree, dict):
-        die(f"{path} does not hold `key: value` sections -> start from this repository's "
-            "config.yaml")
+        die(f"{path} does not hold `key: value` sections -> copy the repository's config.yaml")
     return tree
 
 
@@ -952,9 +944,7 @@ def choose_precision(requested, device):
         die("train.precision=fp16 needs a CUDA GPU (GradScaler) -> use fp32 or bf16 on a CPU")
     if requested != "auto":
         return requested
-    # Not torch.cuda.is_bf16_supported(): True on V100 and T4, which emulate bf16, so fp16 and its
-    # GradScaler would never run where they are needed. bf16 tensor cores start with Ampere (8.0).
-
+    # not torch.cuda.is_bf16_supported(): True on V100 and T4, which only emulate bf16
     if device.type != "cuda":
         return "fp32"
     return "bf16" if torch.cuda.get_device_capability(device) >= (8, 0) else "fp16"
@@ -991,7 +981,6 @@ def log0(*values):
 # ----------------------------------------------------------------------------- 3. data
 
 def prepare_command(data_dir):
-    """The command that prepares text into data_dir: the default corpus, or the user's text."""
     source = "" if str(data_dir) == DEFAULTS["data"]["dir"] else " --input YOUR_TEXT"
     return f"python preprocess.py{source} --out {data_dir}"
 
@@ -1021,11 +1010,8 @@ def read_meta(data_dir, reader):
 
 
 class ArrowTokens:
-    """The samples of one split, read straight from memory-mapped Arrow files: the tokens are never
-    copied into memory as a whole (the epoch's permutation holds 8 bytes per sample, though). Every
-    row ends with end-of-text, so the flat values are the concatenated token stream, and sample i
-    is the block stream[i*L : i*L + L + 1] (inputs and shifted labels). The reader stands for its
-    task, a causal LM: its model, micro-batches, label count, FLOPs, export; other readers alike."""
+    """A split's samples from memory-mapped Arrow files: sample i is stream[i*L : i*L + L + 1] of
+    the token stream. A reader stands for its task (causal LM): model, batches, FLOPs, export."""
     task, kind, unit, model_class = "causal", "text", "tokens", AutoModelForCausalLM
     sdpa = "sdpa_causal"  # ours, without a mask: causal batches are never padded (choose_attention)
     prepare_command = staticmethod(prepare_command)
@@ -1077,7 +1063,6 @@ class ArrowTokens:
         return f"vocab {self.vocab_size} padded to {config.vocab_size}"
 
     def span(self, start, length):
-        """`length` tokens of the stream from `start`, across shard boundaries if need be."""
         out, filled = np.empty(length, dtype=np.int64), 0
         piece = int(np.searchsorted(self.piece_starts, start, side="right")) - 1
         while filled < length:
@@ -1211,8 +1196,7 @@ def build_model(cfg, reader, meta, device):
             "directory written by save_pretrained")
     reader.adapt_pretrained(model, cfg, meta)
     if config.tied_by_the_model and not config.tie_word_embeddings:
-        # a tied checkpoint holds one table, and transformers would leave an untied output layer
-        # random: it starts as the copy it was while tied
+        # a tied checkpoint holds one table: transformers would leave the untied output layer random
         model.get_output_embeddings().weight.data.copy_(model.get_input_embeddings().weight.data)
         log0("untied the output layer from the input embedding (model.tie_word_embeddings=false): "
              "it starts as a copy")
@@ -1220,9 +1204,8 @@ def build_model(cfg, reader, meta, device):
 
 
 def choose_attention(requested, device, sdpa, architecture=None):
-    """auto: FlashAttention-2 where flash_attn imports on a GPU of compute capability 8.0 or newer
-    (older GPUs fail at the first forward); else the reader's sdpa (ours: no mask, none padded);
-    eager for model classes transformers runs without SDPA (architecture: e.g. DeBERTa-v2's)."""
+    """auto: FlashAttention-2 where flash_attn imports on a GPU of compute capability 8.0+; else the
+    reader's sdpa; eager for model classes transformers runs without SDPA."""
     supports = {kind: getattr(architecture, f"_supports_{kind}", True)
                 for kind in ("sdpa", "flash_attn")}
     usable = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0) and \
@@ -1232,8 +1215,8 @@ def choose_attention(requested, device, sdpa, architecture=None):
     if requested == "auto" and not supports["sdpa"]:
         return "eager"
     if requested == "auto" and sdpa != "sdpa":
-        # transformers' "sdpa" builds an explicit mask under torch.compile (all true here), and
-        # SDPA runs no flash kernel with one: ours passes none; SDPA's is_causal is the model's.
+        # transformers' "sdpa" builds an all-true mask under torch.compile, and SDPA runs no flash
+        # kernel with one: ours passes none
         AttentionInterface.register(sdpa, sdpa_attention_forward)
         AttentionMaskInterface.register(sdpa, lambda *args, **kwargs: None)
         return sdpa
@@ -1244,16 +1227,14 @@ def choose_attention(requested, device, sdpa, architecture=None):
 
 
 def flash_attn_available():
-    try:
+    with contextlib.suppress(ImportError):
         import flash_attn  # noqa: F401
         return True
-    except ImportError:
-        return False
+    return False
 
 
 def repeated_blocks(model):
-    """The model's repeated layers (its transformer blocks): the members of its outermost
-    nn.ModuleLists, but none holding the input embedding (a tied output layer shares its weight)."""
+    """The members of the outermost nn.ModuleLists (blocks), none holding the input embedding."""
     embedding, blocks = model.get_input_embeddings(), []
     for module in model.modules():  # parents before children
         if isinstance(module, torch.nn.ModuleList) and not any(
@@ -1264,12 +1245,8 @@ def repeated_blocks(model):
 
 
 def model_flops_counter(raw_model, shape_of):
-    """A function from the sample lengths of each micro-batch to their model FLOPs, for MFU, where
-    shape_of(lengths) gives a micro-batch's positions computed (padding too) and query-key pairs:
-    PaLM's count (Chowdhery et al. 2022, app. B) with attention as computed here. Matmuls: 2 FLOPs
-    per multiply-add forward and two products of that size backward: 6 x matmul_params a position.
-    Attention (Q K^T and the weighted sum of V): 2 x 2 x width per query-key pair and layer forward,
-    x3 with backward. Not counted: norms, activations, softmax, lookups, the loss, recomputation."""
+    """Micro-batches' sample lengths -> model FLOPs (PaLM's count): 6 per matmul weight, position;
+    12 x width per query-key pair and layer; shape_of(lengths) gives (positions, pairs)."""
     matmul_params, config = count_matmul_params(raw_model), raw_model.config
     return lambda micro_batch_lengths: sum(
         6 * matmul_params * positions + 12 * config.num_hidden_layers * config.hidden_size * pairs
@@ -1277,8 +1254,7 @@ def model_flops_counter(raw_model, shape_of):
 
 
 def count_matmul_params(model):
-    """Parameters multiplied with every token: all but embedding lookups, plus the output layer when
-    it shares its weight with the input embedding (there it is a matmul)."""
+    """Parameters multiplied with every token: all but lookups, plus a tied output layer."""
     lookups = [m for m in model.modules() if isinstance(m, torch.nn.Embedding)]
     embedding_weights = {id(p): p.numel() for m in [*lookups, model.get_input_embeddings()]
                          for p in m.parameters(recurse=False)}
@@ -1310,17 +1286,8 @@ def lr_factor(step, cfg):
     return min_factor + (1 - min_factor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def state_tensors(parameters, optimizer):
-    """Each parameter, its gradient and its optimizer state's tensors, as this rank holds them."""
-    for parameter in parameters:
-        for tensor in [parameter, parameter.grad, *optimizer.state.get(parameter, {}).values()]:
-            if torch.is_tensor(tensor):
-                yield tensor.to_local() if hasattr(tensor, "to_local") else tensor  # FSDP: a shard
-
-
 def memory_prediction(raw_model, device):
-    """Bytes this rank holds between steps, from the parameters' counts and dtypes: the weights, a
-    gradient like each trained one, and AdamW's two moments (made like the parameter)."""
+    """Bytes held between steps: weights, a gradient per trained one, AdamW's two moments."""
     weights = trained = 0
     for parameter in raw_model.parameters():
         local = parameter.to_local() if hasattr(parameter, "to_local") else parameter  # FSDP
@@ -1335,13 +1302,15 @@ def memory_prediction(raw_model, device):
 
 
 def report_memory(setup, step, optimizer, predicted):
-    """After an update: the prediction, the same summed from the tensors that exist (its check),
-    on a GPU the allocator's allocated, peak and reserved bytes, and the input embedding's share."""
-    def held(parameters):  # by device type; AdamW's "step", a 0-d tensor, is no part of it
+    """After an update: the prediction, its check from the tensors that exist, the allocator's."""
+    def held(parameters):  # bytes by device type of each weight, its gradient and AdamW state
         sizes = {}
-        for tensor in (t for t in state_tensors(parameters, optimizer) if t.dim() > 0):
-            size = tensor.numel() * tensor.element_size()
-            sizes[tensor.device.type] = sizes.get(tensor.device.type, 0) + size
+        for parameter in parameters:
+            for tensor in [parameter, parameter.grad, *optimizer.state.get(parameter, {}).values()]:
+                if torch.is_tensor(tensor) and tensor.dim() > 0:  # not AdamW's 0-d "step"
+                    tensor = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # FSDP
+                    sizes[tensor.device.type] = sizes.get(tensor.device.type, 0) + \
+                        tensor.numel() * tensor.element_size()
         return sizes
 
     memory = {"predicted_bytes": sum(predicted.values()),
@@ -1364,16 +1333,14 @@ def report_memory(setup, step, optimizer, predicted):
                  f"{mib['reserved_bytes'] - mib['peak_bytes']:,.1f} MiB above the peak)")
     log0(line)
     embedding = held(setup.raw_model.get_input_embeddings().parameters())
-    log0(f"step {step} | input embedding (weights, gradients, optimizer state): "
-         + ", ".join(f"{size / 2**20:,.1f} MiB on {kind}"
-                     for kind, size in sorted(embedding.items())))
+    log0(f"step {step} | input embedding (weights, gradients, optimizer state): " + ", ".join(
+        f"{size / 2**20:,.1f} MiB on {kind}" for kind, size in sorted(embedding.items())))
 
 
 # -------------------------------------------------------------- 6. the checkpoint's safety details
 
 CHECKPOINT_FILES = ["model.pt", "optimizer.pt", "train_state.pt", "checksums.json"]
-# keys a resumed run must share with its checkpoint (they shape the model), and the value a
-# checkpoint written before the key existed had
+# keys that shape the model, so a resumed run must share them, and the value before a key existed
 MODEL_KEYS = {"model.type": None, "model.n_layer": None, "model.n_head": None,
               "model.n_embd": None, "model.pretrained": None, "model.intermediate_size": 0,
               "model.tie_word_embeddings": "auto", "model.embedding_gpu_rows": 0}
@@ -1382,7 +1349,6 @@ LOAD_ERRORS = (OSError, RuntimeError, KeyError, ValueError, EOFError, TypeError,
 
 
 def cannot_write(ckpt_dir, error, needed):
-    """The one line for a checkpoint that could not be written, with the disk's free space."""
     free = shutil.disk_usage(ckpt_dir).free if ckpt_dir.exists() else 0
     return (f"cannot write checkpoint to {ckpt_dir} ({first_line(error)}): {free / 2**20:,.1f} MiB "
             f"free there, a checkpoint needs about {needed / 2**20:,.1f} MiB -> free disk space or "
@@ -1390,7 +1356,6 @@ def cannot_write(ckpt_dir, error, needed):
 
 
 def tensor_bytes(state):
-    """The bytes of every tensor in a nested state dict."""
     if torch.is_tensor(state):
         return state.numel() * state.element_size()
     if isinstance(state, dict):
@@ -1399,9 +1364,8 @@ def tensor_bytes(state):
 
 
 def hold_directory(ckpt_dir, writing):
-    """Hold ckpt_dir for this run: an advisory lock on its .lock file, which the system releases
-    when the process ends however it ends, so a second run on it stops before it touches anything
-    and a dead holder never blocks. Returns the open file (the lock lasts as long as it)."""
+    """An advisory lock on ckpt_dir/.lock, released when the process ends however it ends: a
+    second run stops before it touches anything, a dead holder never blocks. Returns the file."""
     if not writing and not ckpt_dir.is_dir():
         return None
     try:
@@ -1468,8 +1432,7 @@ def step_dir(ckpt_dir, step):
 
 
 def step_of(path):
-    """A step_* directory's step as a number: as strings step_999900 sorts after step_1000000, and
-    pruning would then delete the newest checkpoints."""
+    """A step_* directory's step as a number: as strings step_999900 sorts after step_1000000."""
     match = re.fullmatch(r"step_(\d+)", path.name)
     return int(match.group(1)) if match else -1
 
@@ -1485,8 +1448,7 @@ def complete_checkpoints(ckpt_dir):
 
 
 def file_checksum(path):
-    """CRC-32 of a file: it catches truncated and bit-flipped files (not forgery: what protects
-    against a malicious file is that loading never runs pickled code)."""
+    """CRC-32 of a file: it catches truncated and bit-flipped files, not forgery."""
     checksum = 0
     with open(path, "rb") as file:
         while piece := file.read(1 << 24):
@@ -1538,9 +1500,8 @@ def check_shared_directory(ckpt_dir):
     def check_marker():
         marker = ckpt_dir / f".shared-{token}"
         if not marker.is_file() or marker.read_text() != token:
-            die(f"checkpoint.dir={ckpt_dir} is not the directory rank 0 writes to (its marker file "
-                "is not there) -> put checkpoint.dir on a filesystem every node mounts at the same "
-                "path")
+            die(f"checkpoint.dir={ckpt_dir} is not the directory rank 0 writes to -> put it on a "
+                "filesystem every node mounts at the same path")
 
     token = on_rank0(secrets.token_hex, 8)
     on_rank0(write_marker)
@@ -1588,8 +1549,7 @@ def restore_rng(saved_states, rank, seed, step):
 # ----------------------------------------------------------------------------- 7. training loop
 
 class Interval:
-    """What the log line sums over the steps since the last one, and its clock, which validation and
-    checkpoints (`with interval.paused():`) do not count as training time."""
+    """The log line's sums since the last one; its clock skips `with interval.paused():` spans."""
 
     def __init__(self, device):
         self.device = device
@@ -1625,8 +1585,7 @@ def log_interval(interval, setup, run, result):
     loss_sum = interval.loss_sum.item()  # waits for the GPU: the clock then counts finished work
     now = time.perf_counter()  # the next interval starts here: it pays for this line's work
     elapsed = now - interval.start - interval.paused_s
-    # Every rank's busy time (the interval less its waits for the others at the step's sync) and the
-    # share of it its device sat idle while its host built batches: the slowest rank holds up all.
+    # every rank's busy time (less its waits for the others) and its device's idle share
     per_rank = gather_floats([elapsed - setup.sync_wait.total_s(),
                               setup.data_wait.total_s() / elapsed], setup.device)
     busy = [busy_s for busy_s, _ in per_rank]
@@ -1657,35 +1616,31 @@ def log_interval(interval, setup, run, result):
 
 
 def log_line(record, max_steps):
-    """The console's compact line: each figure only where it exists."""
-    loss = "n/a" if record["loss"] is None else f"{record['loss']:.4f}"
-    line = (f"step {record['step']}/{max_steps} | loss {loss} | lr {record['lr']:.2e} | grad "
-            f"{record['grad_norm']:.3f}")
-    parts = [("tokens_per_sec", lambda r: f"{r['tokens_per_sec'] / 1e3:.1f}k tok/s"),
-             ("images_per_sec", lambda r: f"{r['images_per_sec']:.0f} img/s"),  # images
-             ("mfu", lambda r: f"MFU {100 * r['mfu']:.1f}%"),
-             ("mem_alloc_gib", lambda r: f"mem {r['mem_alloc_gib']:.1f}/"
-                                         f"{r['mem_reserved_gib']:.1f}/{r['mem_peak_gib']:.1f} GiB "
-                                         "alloc/res/peak"),
-             ("alloc_retries", lambda r: f"alloc retries {r['alloc_retries']}"),
-             ("gpu_util", lambda r: f"gpu {r['gpu_util']:.0f}%"),
-             ("comm_exposed_ms",  # DDP
-              lambda r: f"comm exposed {r['comm_exposed_ms']:.1f} ms/step"),  # DDP
-             ("allreduce_p50_ms",  # DDP
-              lambda r: f"all-reduce p50/p95 {r['allreduce_p50_ms']:.1f}/"  # DDP
-                        f"{r['allreduce_p95_ms']:.1f} ms"),  # DDP
-             ("data_wait_frac", lambda r: f"data {100 * r['data_wait_frac']:.1f}%"),
-             ("step_time_skew", lambda r: f"skew {r['step_time_skew']:.2f} "
-                                          f"(rank {r['slowest_rank']})")]
-    line += "".join(f" | {text(record)}" for key, text in parts if record.get(key) or (
-        key == "data_wait_frac" or (record.get(key) is not None and key != "alloc_retries")))
-    minutes, seconds = divmod(int(record["eta_s"]), 60)
+    r, known = record, {key for key, value in record.items() if value is not None}
+    minutes, seconds = divmod(int(r["eta_s"]), 60)
     hours, minutes = divmod(minutes, 60)
-    return line + f" | ETA {f'{hours}h{minutes:02d}m' if hours else f'{minutes}m{seconds:02d}s'}"
+    parts = [f"step {r['step']}/{max_steps}",
+             f"loss {'n/a' if r['loss'] is None else format(r['loss'], '.4f')}",
+             f"lr {r['lr']:.2e}", f"grad {r['grad_norm']:.3f}",
+             "tokens_per_sec" in known and f"{r['tokens_per_sec'] / 1e3:.1f}k tok/s",
+             "images_per_sec" in known and f"{r['images_per_sec']:.0f} img/s",  # images
+             "mfu" in known and f"MFU {100 * r['mfu']:.1f}%",
+             "mem_alloc_gib" in known and f"mem {r['mem_alloc_gib']:.1f}/"
+             f"{r['mem_reserved_gib']:.1f}/{r['mem_peak_gib']:.1f} GiB alloc/res/peak",
+             bool(r.get("alloc_retries")) and f"alloc retries {r['alloc_retries']}",
+             "gpu_util" in known and f"gpu {r['gpu_util']:.0f}%",
+             "comm_exposed_ms" in known and f"comm exposed {r['comm_exposed_ms']:.1f} "  # DDP
+             "ms/step",  # DDP
+             "allreduce_p50_ms" in known and f"all-reduce p50/p95 "  # DDP
+             f"{r['allreduce_p50_ms']:.1f}/{r['allreduce_p95_ms']:.1f} ms",  # DDP
+             f"data {100 * r['data_wait_frac']:.1f}%",
+             "step_time_skew" in known and f"skew {r['step_time_skew']:.2f} "
+             f"(rank {r['slowest_rank']})",
+             f"ETA {f'{hours}h{minutes:02d}m' if hours else f'{minutes}m{seconds:02d}s'}"]
+    return " | ".join(part for part in parts if part)
 
 
 def stop_message(cfg, step):
-    """The line a stopped run ends with, and the command that goes on from there."""
     if not cfg.checkpoint.every:
         return (f"stopped at step {step} by a stop signal; no checkpoint (checkpoint.every=0) "
                 "-> the same command trains these steps again; set checkpoint.every to keep them")
@@ -1697,11 +1652,8 @@ def stop_message(cfg, step):
 
 
 def catch_stop_signals(requested):
-    """SIGTERM (a scheduler's preemption; torchrun passes it on to every worker and kills them 30 s
-    later by default) and SIGINT (Ctrl-C) ask for a clean stop: the list `requested` gets the
-    signal's name and time, and every rank stops after the same step, with a checkpoint. Slurm
-    signals every process of a job step and torchrun passes its own on, so signals within
-    STOP_REPEAT_S of the first repeat it; a later one stops this process at once, without one."""
+    """SIGTERM and SIGINT ask for a clean stop after the same step on every rank, with a checkpoint;
+    signals within STOP_REPEAT_S of the first repeat it, a later one stops at once."""
 
     def on_signal(number, frame):
         if requested and time.monotonic() - requested[0][1] > STOP_REPEAT_S:
@@ -1718,8 +1670,7 @@ def catch_stop_signals(requested):
 
 
 def open_metrics(out_dir, step):
-    """metrics.jsonl, kept across restarts: records past `step`, the checkpoint this run resumes
-    from, go, since those steps run again."""
+    """metrics.jsonl, kept across restarts less the records past `step`: those steps run again."""
     path = out_dir / "metrics.jsonl"
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -1739,7 +1690,6 @@ def open_metrics(out_dir, step):
 
 
 def write_metrics(setup, record):
-    """Append a record to metrics.jsonl (rank 0); returns it as written."""
     record = export_metrics(setup, record)  # metrics
     if setup.metrics:
         setup.metrics.write(json.dumps(record) + "\n")
@@ -1748,11 +1698,8 @@ def write_metrics(setup, record):
 
 
 class SpanTimer:
-    """The time of one recurring part of a step (building batches, waiting for the other ranks),
-    summed over a log interval without making the host wait for the GPU: `with timer:` around it. On
-    a GPU the host runs ahead, and what counts is what the GPU does meanwhile: two CUDA events on
-    its stream time the span as the GPU lives it (idle time included), read after the log line's
-    wait for the GPU. On a CPU each operation ends before the next starts: the host's clock does."""
+    """`with timer:` sums a span over a log interval without a wait for the GPU: on a GPU two CUDA
+    events time it as the GPU lives it (the host runs ahead); on a CPU the host's clock."""
 
     def __init__(self, device):
         self.on_gpu, self.host_s, self.recorded, self.spare = device.type == "cuda", 0.0, [], []
@@ -1787,8 +1734,7 @@ def gather_floats(values, device):
     return torch.stack(everyone).tolist()
 
 
-# Dense bf16 tensor-core peak per GPU (no sparsity), TFLOP/s, from NVIDIA's datasheets, by the exact
-# name torch.cuda.get_device_name() reports: a substring match would read "NVIDIA L40" as an L4.
+# Dense bf16 peak TFLOP/s (NVIDIA's datasheets) by exact device name: "NVIDIA L40" is not an L4
 PEAK_BF16_TFLOPS = {"NVIDIA H200": 989, "NVIDIA H100 80GB HBM3": 989, "NVIDIA H100 PCIe": 756,
                     "NVIDIA A100-SXM4-80GB": 312, "NVIDIA A100-SXM4-40GB": 312,
                     "NVIDIA A100 80GB PCIe": 312, "NVIDIA A100-PCIE-40GB": 312}
@@ -1835,13 +1781,12 @@ def export_final(raw_model, data_dir, meta, final_dir, cfg, device):
 
 
 def report_lost_ranks(error):
-    """A collective failed (a rank stopped answering for dist.timeout_s, or died): one line saying
-    which, and where the others can tell, which ranks stopped answering."""
+    """A collective failed: one line saying so and, where the store tells, which fell silent."""
     rank, text = dist.get_rank(), first_line(error)
     if "timed out" not in text.lower() and "timeout" not in text.lower():
         print(f"error: rank {rank} lost contact with another rank ({text}) -> look above for the "
-              "first rank that failed; launch.sh restarts the job from the last checkpoint "
-              "(MAX_RESTARTS)", file=sys.stderr, flush=True)
+              "first rank that failed; launch.sh restarts from the last checkpoint",
+              file=sys.stderr, flush=True)
         return
     silent = "unknown"
     with contextlib.suppress(Exception):  # the store may have gone with the failure: say nothing
@@ -1851,17 +1796,15 @@ def report_lost_ranks(error):
         silent = [other for other in range(dist.get_world_size())
                   if not store.check([f"timed_out/{other}"])] or "none"
     print(f"error: rank {rank}: a collective waited longer than dist.timeout_s; ranks that stopped "
-          f"answering: {silent} -> look at their logs (a hang, a deadlock, a dead node); raise "
-          "dist.timeout_s if they are only slow", file=sys.stderr, flush=True)
+          f"answering: {silent} -> read their logs, or raise dist.timeout_s", file=sys.stderr)
 
 
 # ======================================================================= sample draws: begin
 # Per-sample random draws that # MLM and # images share: delete this block with the last of them.
 
 def sample_uniforms(seed, epochs, sample_ids, positions, use):
-    """A float in [0, 1) per (epoch, sample, position), broadcast, for one use (MLM: 0 masked?, 1
-    replaced by what, 2 which random token; images: 3 crop and flip): a vectorised hash (splitmix64)
-    of (seed, epoch, sample, position, use) alone, so no rank or micro-batch changes a draw."""
+    """A float in [0, 1) per (epoch, sample, position, use): a hash of them alone, so no rank or
+    micro-batch changes a draw (uses: MLM 0 masked?, 1 how, 2 which token; images 3)."""
     shape = np.broadcast_shapes(np.shape(epochs), np.shape(sample_ids), np.shape(positions))
     mixed = np.full(shape, seed, dtype=np.uint64)
     for part in (epochs, sample_ids, np.asarray(positions) * 4 + use):
@@ -1878,8 +1821,7 @@ def splitmix64(values):
 
 
 # ============================================================================== MLM: begin
-# Masked-LM models (BERT, RoBERTa, ...). Delete this block and the lines tagged # MLM for a trainer
-# of causal language models only.
+# Masked-LM models (BERT, RoBERTa, ...). Delete this block and the lines tagged # MLM.
 
 # masked LMs' knobs, as config.yaml gives them (model.task=auto: a masked LM where the type has one)
 DEFAULTS["model"]["task"], CHOICES["model.task"] = "auto", ["auto", "causal", "mlm"]
@@ -1899,8 +1841,7 @@ def masked_lm_reader(cfg, reader):
 
 
 class MaskedTokens(ArrowTokens):
-    """A masked LM's samples: sample i is document i, truncated to L - 2 and framed as
-    [CLS] doc [SEP]; a micro-batch is padded and masked as BERT's (mask_tokens)."""
+    """Sample i is document i, cut to L - 2 as [CLS] doc [SEP]; padded and masked as BERT's."""
     task, model_class, sdpa = "mlm", transformers.AutoModelForMaskedLM, "sdpa"  # sdpa: it masks
 
     def __init__(self, data_dir, meta, split, seq_len):
@@ -1927,15 +1868,13 @@ class MaskedTokens(ArrowTokens):
         return piece, self.doc_offsets[piece], index - self.doc_starts[piece]
 
     def plan(self, position, seed, cfg, world_size):
-        """The global batch sorted by length before it is cut, so each micro-batch pads little; the
-        micro-batches are dealt round-robin, so every rank gets short and long ones."""
+        """Sorted by length before it is cut, so a micro-batch pads little; dealt round-robin."""
         sample_ids, epochs = global_batch(position, cfg.train.global_batch_size, len(self), seed)
         order = sorted(range(len(sample_ids)), key=lambda k: (self.length(sample_ids[k]), k))
         return deal(sample_ids[order], epochs[order], cfg.train.micro_batch_size, world_size)
 
     def micro_batch(self, sample_ids, epochs, cfg, device):
-        """Padded to seq_len (train.pad_to_multiple=0), or to its longest sample rounded up to a
-        multiple of it, with BERT's masking."""
+        """Padded to seq_len, or the longest rounded up to train.pad_to_multiple; BERT's masking."""
         samples = [self.sample(int(i)) for i in sample_ids]
         lengths = np.array([len(sample) for sample in samples])
         length = padded_length(lengths.max(), cfg.train.pad_to_multiple, self.seq_len)
@@ -1964,8 +1903,7 @@ class MaskedTokens(ArrowTokens):
 
     @staticmethod
     def flops_counter(raw_model, attention, cfg):
-        """A query sees every padded position of its micro-batch (SDPA, eager), or with
-        FlashAttention-2, which drops the padding before attention, its sample's only."""
+        """A query sees its micro-batch's padded positions; with FlashAttention-2 its own."""
         def shape_of(lengths):
             padded = padded_length(max(lengths), cfg.train.pad_to_multiple, cfg.train.seq_len)
             if attention == "flash_attention_2":
@@ -1982,9 +1920,7 @@ def masked_lm_loss(loss_of, cfg, reader):
 
 
 def dynamic_length(tensor):
-    """Mark dimension 1 (the length) dynamic, so one compiled graph serves every padded length.
-    Unmarked, Dynamo compiles the first length as a constant and again at the second. maybe_: a
-    torch that specializes the length anyway recompiles instead of failing."""
+    """Dimension 1 dynamic: one compiled graph for every padded length (maybe_: never fails)."""
     torch._dynamo.maybe_mark_dynamic(tensor, 1)
     return tensor
 
@@ -2009,8 +1945,7 @@ def mask_tokens(tokens, lengths, seed, epochs, sample_ids, special, vocab_size, 
 
 
 def masked_positions(seed, epochs, sample_ids, lengths, width, probability):
-    """Which positions BERT predicts, a row per sample: never [CLS] (position 0), [SEP] (length - 1)
-    or the padding after it; each other position with `probability`."""
+    """The positions BERT predicts: each with `probability`, never [CLS], [SEP] or padding."""
     positions = np.arange(width)
     candidates = (positions >= 1) & (positions <= lengths[:, None] - 2)
     uniforms = sample_uniforms(seed, epochs[:, None], sample_ids[:, None], positions, 0)
@@ -2019,21 +1954,18 @@ def masked_positions(seed, epochs, sample_ids, lengths, width, probability):
 
 
 # ============================================================================== images: begin
-# Image classification with ViT: data from `preprocess.py --images`. Delete this block and the lines
-# tagged # images for a trainer of language models only.
+# Image classification with ViT (`preprocess.py --images`). Delete it and the lines tagged # images.
 
 # image models' knobs, as config.yaml gives them
 DEFAULTS["model"]["patch_size"], MODEL_KEYS["model.patch_size"] = 0, 0
 DEFAULTS["train"].update(crop_padding=4, hflip=False)
 RANGES.update(dict.fromkeys(["model.patch_size", "train.crop_padding"], (0, None)))
-# Without a CUDA GPU and for model.type=vit, these replace CPU_PRESET's values: a small ViT from
-# scratch needs more steps and no random crops to reach 90% on the digits within minutes.
+# a ViT without a GPU: more steps, no random crops, to reach 90% on the digits within minutes
 CPU_PRESET_IMAGES = {"train.max_steps": 1000, "train.eval_every": 250, "train.crop_padding": 0,
                      "optim.lr": 3e-3, "optim.min_lr": 3e-4, "optim.warmup_steps": 50,
                      "checkpoint.every": 250}
 DIGITS_DIR = "data/digits"  # where an image model's default data, the digits, is prepared
-# With a CUDA GPU, model.type=vit and data.dir at its default (the digits), these replace the
-# defaults: the same small ViT, not compiled (compiling it takes longer than its 1,000 steps).
+# a ViT on a GPU on the digits: small and not compiled (compiling takes longer than 1,000 steps)
 GPU_PRESET_DIGITS = {"model.n_layer": 2, "model.n_head": 4, "model.n_embd": 128,
                      "train.global_batch_size": 32, "train.micro_batch_size": 32,
                      "train.max_steps": 1000, "train.eval_every": 500, "train.crop_padding": 0,
@@ -2043,8 +1975,7 @@ PRESETS.update(cpu_preset_images=CPU_PRESET_IMAGES, gpu_preset_digits=GPU_PRESET
 
 
 def image_preset(flat, name, preset, presets, use_cuda):
-    """An image model's preset and its name: data.dir the digits (the offline default images); for
-    a ViT without a GPU also the CPU preset's images part, with one on the digits the GPU's."""
+    """An image model's preset and its name: cpu_preset_images, gpu_preset_digits or images."""
     if not image_model_type(flat["model.type"], flat["model.pretrained"]):
         return name, preset
     if flat["model.type"] == "vit" and not use_cuda:
@@ -2055,7 +1986,6 @@ def image_preset(flat, name, preset, presets, use_cuda):
 
 
 def prepare_images_command(data_dir):
-    """The command that prepares images into data_dir: the digits, or the user's images."""
     source = "" if str(data_dir) == DIGITS_DIR else " YOUR_IMAGES"
     return f"python preprocess.py --images{source} --out {data_dir}"
 
@@ -2087,8 +2017,7 @@ def image_reader(cfg, reader):
 
 
 def vit_config(cfg, meta):
-    """A ViT of model.*'s shape for meta.json's images and classes, or model.pretrained's, with a
-    new classifier when the classes differ."""
+    """A ViT of model.*'s shape for meta.json's images and classes, or model.pretrained's."""
     size, classes = meta["image_size"], meta["classes"]
     labels = dict(num_labels=len(classes), id2label=dict(enumerate(classes)),
                   label2id={name: i for i, name in enumerate(classes)})
@@ -2115,8 +2044,7 @@ def vit_config(cfg, meta):
 
 
 def keep_or_renew_classifier(model, cfg, meta):
-    """A pretrained ViT keeps its classifier for the same class names in the same order; for any
-    others it gets a new one (from_pretrained would keep one of the same shape)."""
+    """A pretrained classifier stays for the same class names in order, else it starts anew."""
     pretrained = load_pretrained_config(cfg.model.pretrained)
     names, classes = [pretrained.id2label[i] for i in range(pretrained.num_labels)], meta["classes"]
     if names == classes:
@@ -2131,11 +2059,8 @@ def keep_or_renew_classifier(model, cfg, meta):
 
 
 def vit_flops_counter(raw_model, attention, cfg):
-    """Model FLOPs per image of a ViT's forward + backward, counted as model_flops_counter does:
-    each linear layer of the encoder multiplies every one of the P = patches + 1 (the class token)
-    positions, 6 FLOPs per weight; attention 12 x width per query-key pair and layer (P^2 pairs);
-    the patch projection 4 per weight and patch (the pixels need no gradient); the classifier reads
-    the class token alone."""
+    """A ViT's FLOPs per image as model_flops_counter counts them, over patches + 1 positions; the
+    patch projection 4 per weight (the pixels need no gradient), the classifier one position."""
     config = raw_model.config
     patches = (config.image_size // config.patch_size) ** 2
     positions = patches + 1
@@ -2149,10 +2074,7 @@ def vit_flops_counter(raw_model, attention, cfg):
 
 
 def export_image_model(raw_model, data_dir, meta, final_dir, cfg, device):
-    """save_pretrained and the image processor the pipeline applies before the model: the shorter
-    side resized to the image size (bicubic) and a centre crop, as preprocess.py did, then
-    meta.json's mean and std: pipeline("image-classification", model=final_dir) classifies. The
-    pipeline's load_image turns the image RGB (and upright) first, as preprocess.py's to_rgb."""
+    """save_pretrained and an image processor that prepares images as preprocess.py did."""
     size = meta["image_size"]
     if raw_model.config._attn_implementation == "sdpa_unmasked":  # registered in this process only
         raw_model.set_attn_implementation("sdpa")
@@ -2168,9 +2090,8 @@ def export_image_model(raw_model, data_dir, meta, final_dir, cfg, device):
 
 
 class ArrowImages:
-    """The images of one split, memory-mapped from Arrow files: sample i is image i (uint8 pixels,
-    height x width x RGB) and its label. One image is one sample, of "length" 1: the text path's
-    counts of tokens count images here. Its task: a ViT classifies them."""
+    """A split's images, memory-mapped from Arrow files: sample i is image i (uint8 HxWxRGB) and its
+    label, of "length" 1: the text path's token counts count images here."""
     task, kind, unit, seq_len, sdpa = "image", "images", "images", 1, "sdpa_unmasked"  # no mask
     model_class = transformers.AutoModelForImageClassification
     prepare_command, model_config = staticmethod(prepare_images_command), staticmethod(vit_config)
@@ -2234,7 +2155,6 @@ class ArrowImages:
         return -(-len(self) // cfg.train.global_batch_size)
 
     def pixels(self, sample_ids):
-        """The uint8 images of sample_ids, batch x height x width x RGB, gathered across files."""
         pieces = np.searchsorted(self.piece_starts, sample_ids, side="right") - 1
         out = np.empty((len(sample_ids), self.size, self.size, 3), dtype=np.uint8)
         for piece in np.unique(pieces):
@@ -2243,10 +2163,8 @@ class ArrowImages:
         return out
 
     def micro_batch(self, sample_ids, epochs, cfg, device):
-        """Images go to the device as uint8 (a quarter of float32's bytes), there to be cropped at
-        random from a zero-padded frame (train.crop_padding), flipped (train.hflip) and normalised,
-        by hashes of (seed, epoch, sample): alike on any number of ranks. In validation the samples
-        past the split's end (epochs > 0) only pad the last batch: their labels are ignored."""
+        """uint8 to the device, there cropped, flipped and normalised by hashes of (seed, epoch,
+        sample); validation ignores the labels past the split's end (epochs > 0)."""
         sample_ids = np.asarray(sample_ids, dtype=np.int64)
         epochs = np.asarray(epochs, dtype=np.int64)
         pixels = torch.from_numpy(self.pixels(sample_ids))
@@ -2282,17 +2200,15 @@ def check_classes(train_state, meta, path, cfg):
     classes = train_state.get("classes", meta.get("classes"))
     if classes != meta.get("classes"):
         die(f"checkpoint {path} was trained on the classes {classes}, {cfg.data.dir} has "
-            f"{meta.get('classes')} -> give the data.dir it was trained on, or start afresh in "
-            "another checkpoint.dir")
+            f"{meta.get('classes')} -> give its data.dir, or another checkpoint.dir")
 
 
 # ============================================================================== images: end
 
 
 # ============================================================================== metrics: begin
-# Optional exporters: TensorBoard scalars (rank 0), a Prometheus endpoint per process, NVML's GPU
-# utilisation; and the all-reduces timed for the log line. Delete this block and the lines tagged
-# for it (# metrics): metrics.jsonl stays, DDP has a comm hook for bf16 alone, no reducer a timer.
+# TensorBoard, Prometheus, NVML's GPU utilisation, and the all-reduces timed. Delete this block and
+# the lines tagged # metrics: metrics.jsonl stays.
 
 def start_exporters(cfg, step, device):
     """Each exporter asked for, or None where its package is missing (said in one line)."""
@@ -2321,8 +2237,8 @@ def start_exporters(cfg, step, device):
 
 
 def start_prometheus(port):
-    """prometheus_client's HTTP server for this process's gauges, in a thread; None without the
-    package. Its own registry: a second run in one process would register its gauges twice."""
+    """prometheus_client's server for this process's gauges; its own registry, so a second run in
+    one process does not register its gauges twice. None without the package."""
     try:
         import prometheus_client
     except ImportError:
@@ -2337,9 +2253,7 @@ def start_prometheus(port):
 
 
 def export_metrics(setup, record):
-    """The record with what this block measures (a train record's GPU utilisation, and DDP's
-    all-reduce times), every number of it under its own name: TensorBoard on rank 0, a gauge on
-    every rank (a key that is null today appears as soon as it holds a number)."""
+    """The record with this block's figures, each number to TensorBoard (rank 0) and a gauge."""
     exporters = setup.exporters
     if record["kind"] == "train":
         record = {**record, "gpu_util": exporters.gpu_util()}
@@ -2365,9 +2279,7 @@ def export_metrics(setup, record):
 
 
 def gpu_util_reader(device, enabled):
-    """A function giving this GPU's utilisation from NVML: the share of its last sample period in
-    which any kernel ran (a collective waiting for another rank counts as busy). None on a CPU, with
-    log.gpu_util=false, without pynvml, or where NVML cannot tell (a MIG slice)."""
+    """A function giving NVML's GPU utilisation (a waiting collective counts as busy), or None."""
     if device.type != "cuda" or not enabled:
         return None
     try:
@@ -2400,12 +2312,8 @@ def stop_exporters(exporters):
 
 
 def timed(parallel, hook):
-    """Time wrap_model's all-reduces for the log line (comm_figures): each one's start and end, and
-    per step the communication backward did not hide. Our reducers' all_reduce() and wait() are
-    wrapped; for DDP, which takes one comm hook, the one to register is returned: `hook` or DDP's
-    own sum (torch's allreduce_hook), timed to its result (bf16: cast back). Ends are stamped in
-    callbacks of the futures, which NCCL runs on a stream that waits for the all-reduce (gloo: once
-    it is done): neither makes the host wait."""
+    """Time the all-reduces and the communication backward did not hide, without a host wait: our
+    reducers' calls wrapped, or for DDP the comm hook to register (`hook` or torch's own)."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     times = parallel.comm_times = SimpleNamespace(allreduce=[], exposed=[])  # (start, end) each
 
@@ -2446,9 +2354,7 @@ def time_stamp():
 
 
 def comm_figures(times):
-    """The interval's p50 and p95 all-reduce (ms from start to end), and the mean per step of the
-    communication backward did not hide: our reducers' wait, or DDP's last bucket from the end of
-    backward's compute. None where nothing was timed (one process)."""
+    """The interval's p50/p95 all-reduce ms and exposed communication per step (None: untimed)."""
     latency_ms = span_ms(times.allreduce) if times else []
     exposed_ms = [max(0.0, ms) for ms in span_ms(times.exposed)] if times else []
     percentile = {q: float(np.percentile(latency_ms, q)) if latency_ms else None for q in (50, 95)}
@@ -2467,23 +2373,19 @@ def span_ms(spans):
 
 
 # ============================================================================== tiered: begin
-# model.embedding_gpu_rows=K: the input embedding's rows of the K most frequent tokens on the GPU,
-# the others in CPU memory, for vocabularies of some hundred thousand tokens. Delete this block and
-# the lines tagged # tiered: the embedding is then one table on the GPU, as transformers builds it.
+# model.embedding_gpu_rows=K: the input embedding's K most frequent tokens' rows on the GPU, the
+# others in CPU memory. Delete this block and the lines tagged # tiered: one table on the GPU.
 
 def tier_embedding(raw_model, data_dir, meta, cfg, precision, device):
-    """Put a TieredEmbedding in place of the model's input embedding (before it goes to the GPU,
-    so the whole table never does), its GPU rows the train split's most frequent tokens'."""
+    """A TieredEmbedding in place of the input embedding, before the model goes to the GPU."""
     if not cfg.model.embedding_gpu_rows:
         return
     embedding, output, rows = raw_model.get_input_embeddings(), raw_model.get_output_embeddings(), \
         cfg.model.embedding_gpu_rows
     rebuild = f"-> rebuild the data: {prepare_command(data_dir)} --force"
     if output is not None and output.weight is embedding.weight:
-        die("model.embedding_gpu_rows needs an output layer of its own, and this model ties it to "
-            "the input embedding: the output layer multiplies every row at every step, so no row "
-            "could stay in CPU memory -> set model.tie_word_embeddings=false (the output layer "
-            "then has weights of its own: vocabulary x width more)")
+        die("model.embedding_gpu_rows needs an untied output layer (a tied one reads every row "
+            "each step) -> set model.tie_word_embeddings=false")
     if precision == "fp16":
         die("model.embedding_gpu_rows does not train in fp16: the grad scaler would not see the "
             "gradient of the rows in CPU memory -> use train.precision=bf16 or fp32")
@@ -2492,8 +2394,7 @@ def tier_embedding(raw_model, data_dir, meta, cfg, precision, device):
             f"is a {type(embedding).__name__} -> set model.embedding_gpu_rows=0")
     if rows >= embedding.num_embeddings:
         die(f"model.embedding_gpu_rows={rows} is not below the embedding's "
-            f"{embedding.num_embeddings} rows, so no row would stay in CPU memory -> set it lower, "
-            "or 0 for one table")
+            f"{embedding.num_embeddings} rows -> set it lower, or 0 for one table")
     frequency_file = data_dir / meta.get("token_frequencies_file", "token_frequencies.npy")
     try:
         frequencies = np.load(frequency_file)
@@ -2519,15 +2420,13 @@ def tier_embedding(raw_model, data_dir, meta, cfg, precision, device):
 
 
 def hottest_token_ids(frequencies, rows, count):
-    """The `count` most frequent of `rows` token ids, most frequent first; equal counts go to the
-    lower id (a stable sort): every rank and run picks the same rows. Ids past the table count 0."""
+    """The `count` most frequent of `rows` token ids; a stable sort: every rank picks the same."""
     counts = np.zeros(rows, np.int64)
     counts[:min(rows, len(frequencies))] = frequencies[:rows]
     return torch.from_numpy(np.argsort(-counts, kind="stable")[:count].copy())
 
 
 def stage_tiered(raw_model, split_data, position, batches, cfg):
-    """Start copying the CPU rows of the step at `position` to the GPU (TieredEmbedding.stage)."""
     embedding = raw_model.get_input_embeddings()
     if isinstance(embedding, TieredEmbedding):
         embedding.stage(batches[0], step_input_ids(split_data, position, cfg, batches[0]))
@@ -2540,8 +2439,7 @@ def end_tiered_step(raw_model, optimizer, skipped):
         embedding.updates += 1
         if embedding.updates == 2:  # the step's rows and the next step's are all there
             held = sorted(embedding.held_mib(optimizer).items())
-            log0("input embedding tiered, held at its second step (weights, gradients, optimizer "
-                 "state, the step's CPU rows on the GPU): "
+            log0("input embedding tiered, held at its second step: "
                  + ", ".join(f"{mib:,.1f} MiB on {kind}" for kind, mib in held))
         group = optimizer.param_groups[0]
         embedding.step(group["lr"], group["betas"], group["eps"], group["weight_decay"], skipped)
@@ -2555,9 +2453,7 @@ def untier(raw_model, device):
 
 
 def step_input_ids(split_data, position, cfg, micro_batches):
-    """Every input id of the global batch at `position`, all ranks', flat: the rows a step updates.
-    This rank's micro-batches are built already; each rank builds the others' ids from the shared
-    plan (no communication, no wait for the GPU)."""
+    """Every input id of the global batch at `position`, all ranks' (from the shared plan)."""
     plan = split_data.plan(position, cfg.train.seed, cfg, dist.get_world_size())
     others = [split_data.micro_batch(ids, epochs, cfg, torch.device("cpu"))["inputs"]["input_ids"]
               for rank, rank_plan in enumerate(plan) if rank != dist.get_rank()
@@ -2567,19 +2463,9 @@ def step_input_ids(split_data, position, cfg, micro_batches):
 
 
 class TieredEmbedding(torch.nn.Module):
-    """An input embedding split by token frequency (model.embedding_gpu_rows;
-    docs/tiered-embedding.md).
-
-    Hot rows (the most frequent ids) are one GPU parameter, `hot_weight`: DDP reduces its gradient
-    and AdamW updates it, as any weight. Cold rows live in CPU memory with their lazy AdamW state. A
-    step's cold rows, those of every id in its global batch (all ranks'), go to the GPU once:
-    `stage` gathers them while the GPU runs the step before; the step's first forward makes them
-    `rows`, a parameter of this module for that step only (so the global gradient norm counts it),
-    whose gradient the micro-batches' backward passes sum. A hook on it writes the last update into
-    the CPU tables after the first backward, and all-reduces its gradient after the last; `step`
-    applies lazy AdamW on the GPU and copies the rows back on a side stream. Token id i is row
-    slot_of_id[i] of hot_weight if below hot_rows, else row slot_of_id[i] - hot_rows of the tables.
-    """
+    """An input embedding split by token frequency (docs/tiered-embedding.md): hot rows are the GPU
+    parameter hot_weight; cold rows live in CPU memory with lazy AdamW state, and a step's go to
+    the GPU once as `rows`, a parameter for that step. Id i is slot_of_id[i] of cat(hot, cold)."""
 
     def __init__(self, embedding, hot_ids, device):
         super().__init__()
@@ -2588,9 +2474,8 @@ class TieredEmbedding(torch.nn.Module):
         self.set_tiers(hot_ids, weight.shape[0])
         self.hot_weight = torch.nn.Parameter(weight[self.hot_ids].clone())
         self.rows = None  # this step's CPU rows on the GPU: a parameter from forward to step()
-        # Plain attributes, not parameters or buffers: model.to(device) leaves them in CPU memory,
-        # DDP neither reduces nor broadcasts them, and the state dict gets them from
-        # get_extra_state. Not pinned: copies go through the pinned buffers rows are gathered into.
+        # plain attributes: model.to() leaves them in CPU memory, DDP ignores them, the state dict
+        # gets them from get_extra_state
         self.cold_weight = weight[self.cold_ids].clone()
         self.cold_exp_avg = torch.zeros_like(self.cold_weight)
         self.cold_exp_avg_sq = torch.zeros_like(self.cold_weight)
@@ -2613,10 +2498,8 @@ class TieredEmbedding(torch.nn.Module):
         return [self.cold_weight, self.cold_exp_avg, self.cold_exp_avg_sq, self.cold_steps]
 
     def stage(self, micro_batches, step_ids):
-        """Start copying the cold rows of a step to the GPU: `micro_batches` are this rank's
-        (their ids in CPU memory), `step_ids` every id of the global batch. Rows the step before
-        also holds are not copied: they come from its update on the GPU, which the CPU tables may
-        not have yet."""
+        """Start copying a step's cold rows (of step_ids, the global batch's) to the GPU; rows the
+        step before holds come from its update on the GPU, which the CPU tables may lack yet."""
         self.write_to_tables()  # the last update, whose rows may be gathered below
         step_slots = self.slot_of_id[step_ids]
         slots = torch.unique(step_slots[step_slots >= self.hot_rows])  # sorted; alike on every rank
@@ -2637,8 +2520,6 @@ class TieredEmbedding(torch.nn.Module):
         positions = [(~carried).nonzero().flatten(), carried.nonzero().flatten(), place[carried]]
         ready = None
         if self.copy_stream is not None:
-            # A pinned buffer freed while its copy may still run is reused only after it: the
-            # caching host allocator records an event with each copy.
             with torch.cuda.stream(self.copy_stream):
                 table_indices, fresh, positions = (
                     [tensor.pin_memory().to(self.device, non_blocking=True) for tensor in tensors]
@@ -2650,8 +2531,7 @@ class TieredEmbedding(torch.nn.Module):
                                       padding_index=self.padding_index(slots))
 
     def padding_index(self, cold_slots):
-        """The row of padding_idx in cat([hot_weight, the rows of cold_slots]), or None where it is
-        absent: nn.Embedding(padding_idx=) sends no gradient to that row, and neither does this."""
+        """padding_idx's row in cat([hot_weight, cold_slots' rows]) (no gradient reaches it)."""
         pad_slot = int(self.slot_of_id[self.padding_idx]) if self.padding_idx is not None else None
         if pad_slot is None or pad_slot < self.hot_rows:
             return pad_slot
@@ -2661,15 +2541,13 @@ class TieredEmbedding(torch.nn.Module):
 
     @torch.no_grad()
     def start_step(self):
-        """Make the staged rows this step's GPU tensors: the copied ones, and those the step before
-        also held taken from its update. The compute stream waits for the copy, not the host."""
+        """The staged rows as this step's GPU tensors; the compute stream waits for the copy."""
         staged, self.staged = self.staged, None
         fresh_at, carried_at, carried_from = staged.positions
         if staged.ready is not None:
             compute_stream = torch.cuda.current_stream(self.device)
             compute_stream.wait_event(staged.ready)
-            # made on the side stream, read here: without record_stream the allocator could hand
-            # this memory to the next copy once freed, while kernels queued here still read it
+            # made on the side stream, read here: else freed memory could go to the next copy early
             for tensor in [*staged.table_indices, *staged.fresh, *staged.positions]:
                 if tensor.numel():
                     tensor.record_stream(compute_stream)
@@ -2692,9 +2570,8 @@ class TieredEmbedding(torch.nn.Module):
                                        padding_index=staged.padding_index)
 
     def gradient_ready(self, rows):
-        """After each micro-batch's backward has added into rows.grad: after the first, write the
-        last update into the CPU tables (the GPU has that backward to run meanwhile); after the
-        last, average the gradient over the ranks, as DDP does the hot rows'."""
+        """After the first backward write the last update to the CPU tables (the GPU is busy); after
+        the last, average the gradient over the ranks, as DDP does the hot rows'."""
         self.current.backwards += 1
         if self.current.backwards == 1:
             self.write_to_tables()
@@ -2717,8 +2594,7 @@ class TieredEmbedding(torch.nn.Module):
                                    f"{tuple(table_index.shape)}, got {tuple(input_ids.shape)}")
             return F.embedding(table_index, torch.cat([self.hot_weight, self.rows]),
                                padding_idx=self.current.padding_index)
-        # validation and generate(): this batch's rows from the CPU tables, once they have the last
-        # update; one wait for the GPU per call
+        # validation and generate(): the rows from the CPU tables (one wait for the GPU per call)
         self.write_to_tables()
         slots = self.slot_of_id[input_ids.cpu()]
         is_cold = slots >= self.hot_rows
@@ -2730,11 +2606,8 @@ class TieredEmbedding(torch.nn.Module):
 
     @torch.no_grad()
     def step(self, lr, betas, eps, weight_decay, skipped):
-        """Lazy AdamW on the GPU: torch.optim.AdamW's formula (decoupled weight decay, both moments,
-        bias correction) on this step's CPU rows, each with its own step count. A row used at every
-        step is updated as dense AdamW would; an unused one keeps its weight and moments, where
-        dense AdamW would decay them at every step (touching every row). Then the rows go back to
-        the host on the side stream, for write_to_tables. A skipped step changes nothing."""
+        """Lazy AdamW (torch's formula, a step count per row) on this step's CPU rows, on the GPU:
+        an unused row keeps its weight and moments. The rows then go back on the side stream."""
         state, self.rows = self.current, None  # the parameter ends with the step
         if skipped:
             return
@@ -2773,8 +2646,6 @@ class TieredEmbedding(torch.nn.Module):
                 table.index_copy_(0, written.rows, values)
 
     def held_mib(self, optimizer):
-        """MiB per device type this module holds: its GPU rows with gradient and AdamW state, the
-        CPU tables, the step's CPU rows on the GPU with gradient and moments, and the next's."""
         tensors = [self.hot_weight, self.hot_weight.grad, *self.cold_tables(),
                    *optimizer.state.get(self.hot_weight, {}).values()]
         if self.current is not None:
@@ -2789,7 +2660,6 @@ class TieredEmbedding(torch.nn.Module):
 
     def get_extra_state(self):
         """The cold rows, their lazy AdamW state and the tier map: in the state dict (model.pt)."""
-
         self.write_to_tables()
         return {"hot_ids": self.hot_ids, "cold_weight": self.cold_weight,
                 "cold_exp_avg": self.cold_exp_avg, "cold_exp_avg_sq": self.cold_exp_avg_sq,
@@ -2817,11 +2687,8 @@ class TieredEmbedding(torch.nn.Module):
 
 
 # ============================================================================== fp8: begin
-# train.precision=fp8: the repeated blocks' linear layers multiply in float8 through torchao's
-# float8 training (tensorwise recipe: one scale per tensor, from its current maximum), everything
-# else under bf16 autocast as train.precision=bf16. The weights stay fp32 parameters under the
-# same names, so checkpoints and the export are those of a bf16 run. MFU is counted against the
-# bf16 peak, so that the two precisions compare.
+# train.precision=fp8: the blocks' linear layers multiply in float8 (torchao, tensorwise), the rest
+# as bf16; weights stay fp32, so checkpoints and export are a bf16 run's. MFU: the bf16 peak.
 
 def fp8_refusal(device, use_compile):
     """Why fp8 cannot pay here, or None: it needs float8 tensor cores, torch.compile and torchao."""
@@ -2829,7 +2696,7 @@ def fp8_refusal(device, use_compile):
 
     if device.type != "cuda":
         return ("train.precision=fp8 needs an NVIDIA GPU with float8 tensor cores (compute "
-                "capability 8.9: Ada, Hopper or later) -> use train.precision=bf16 or fp32 here")
+                "capability 8.9 or later) -> use train.precision=bf16 or fp32 here")
     capability = torch.cuda.get_device_capability(device)
     if capability < (8, 9):
         return (f"train.precision=fp8 needs float8 tensor cores (compute capability 8.9 or later), "
@@ -2844,8 +2711,7 @@ def fp8_refusal(device, use_compile):
 
 
 def fp8_layers(model):
-    """The layers fp8 trains: the nn.Linear layers of the repeated blocks whose sizes are multiples
-    of 16 (what float8 matmuls take). The embeddings, the output layer and any head stay in bf16."""
+    """The blocks' nn.Linear layers with sizes in multiples of 16 (what float8 matmuls take)."""
     in_blocks = {id(module) for block in repeated_blocks(model) for module in block.modules()}
     return [name for name, module in model.named_modules()
             if id(module) in in_blocks and isinstance(module, torch.nn.Linear)
@@ -2853,8 +2719,7 @@ def fp8_layers(model):
 
 
 def train_in_fp8(model, cfg, device, use_compile, sharded):
-    """train.precision=fp8: fp8_layers become torchao's Float8Linear in place, before compile and
-    sharding. Sharded (FSDP2), the weights are also gathered in float8: half the bytes of bf16."""
+    """fp8_layers become torchao's Float8Linear before compile and sharding."""
     if cfg.train.precision != "fp8":
         return
     refusal = fp8_refusal(device, use_compile)
@@ -2866,9 +2731,8 @@ def train_in_fp8(model, cfg, device, use_compile, sharded):
 
     chosen = set(fp8_layers(model))
     if not chosen:
-        die(f"train.precision=fp8 converts the nn.Linear layers of a model's repeated blocks, and "
-            f"{model.config.model_type} has none with sizes in multiples of 16 (GPT-2's blocks use "
-            "Conv1D) -> use model.type=llama, bert or vit, or train.precision=bf16")
+        die(f"train.precision=fp8: {model.config.model_type}'s blocks have no nn.Linear with sizes "
+            "in multiples of 16 -> use model.type=llama, bert or vit, or train.precision=bf16")
     config = dataclasses.replace(Float8LinearConfig.from_recipe_name("tensorwise"),
                                  enable_fsdp_float8_all_gather=sharded)
     convert_to_float8_training(model, config=config,
@@ -2881,9 +2745,8 @@ def train_in_fp8(model, cfg, device, use_compile, sharded):
 
 
 def compile_fp8_blocks(model, cfg, use_compile):
-    """Under fp8, each repeated block is compiled on its own (one graph for all of them), and the
-    model not whole (False): at 1.3B parameters fp8's whole graph, 3x the ops of bf16's, did not
-    compile within 5 minutes; block by block the run trained within 2."""
+    """Under fp8 each block compiles on its own, not the whole model (False): fp8's whole graph
+    compiles far slower (bench/RESULTS.md)."""
     if cfg.train.precision != "fp8" or not use_compile:
         return use_compile
     for block in repeated_blocks(model):
@@ -2893,9 +2756,8 @@ def compile_fp8_blocks(model, cfg, use_compile):
 
 
 # ============================================================================== faults: begin
-# Fault injection for the tests, off unless FAULT=kind:rank:step[,...] is set (kill, kill-in-save,
-# hang, nan, slow), on a job's first attempt only, so a restarted job runs clean. Delete this block
-# and the lines tagged # FAULT: nothing else changes.
+# Fault injection for the tests: FAULT=kind:rank:step[,...], on a job's first attempt only. Delete
+# this block and the lines tagged # FAULT: nothing else changes.
 
 def fault(kind, step):
     specs = os.environ.get("FAULT")
@@ -2931,10 +2793,8 @@ def save_fault(step):
 
 
 def ended_attempt(code=None, line=None):
-    """A restart of the workers by torchrun (MAX_RESTARTS) cannot undo a stop or a mistake to fix:
-    the workers of an attempt that ended so note it, and those of the next one end alike at once.
-    The note lies on this node, named after torchrun's PID; a new torchrun starts afresh."""
-
+    """A torchrun restart cannot undo a stop or a mistake: an attempt that ended so notes it (a
+    file named after torchrun's PID), and the next one ends alike at once."""
     note = Path(tempfile.gettempdir()) / f"train-ended-{os.getppid()}.json"
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "-1"))
     if code is not None and restarts >= 0:
@@ -2955,8 +2815,7 @@ if __name__ == "__main__":
     try:
         try:
             main()
-            # Not at the end of main(): DDP's reducer, freed with main()'s objects after the group
-            # is gone, would run the group's destructor itself and can deadlock there with gloo.
+            # DDP's reducer, freed after the group is gone, can deadlock in its destructor with gloo
             gc.collect()
             if dist.is_initialized():  # not with --check
                 dist.destroy_process_group()

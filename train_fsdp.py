@@ -701,8 +701,7 @@ def validate(model, val_data, setup, step):
 
 # ----------------------------------------------------------------------------- 1. config
 
-# Every knob and its default (an optional part adds its own in its block); config.yaml holds the
-# same values, each with the reason for it.
+# Every knob and its default (optional parts add theirs); config.yaml holds them with reasons.
 DEFAULTS = {
     "out_dir": "out", "export": True,
     "model": dict(type="gpt2", pretrained="", n_layer=12, n_head=12, n_embd=768,
@@ -721,8 +720,7 @@ DEFAULTS = {
     "dist": dict(backend="auto", timeout_s=600, reducer="torch", bucket_mb=25.0,
                  grad_compression="none"),
 }
-# Without a CUDA GPU these replace the defaults the config file left as they are: the whole demo
-# then ends in minutes on a laptop.
+# without a CUDA GPU these replace the defaults the config left: a demo of minutes on a laptop
 CPU_PRESET = {"model.n_layer": 2, "model.n_head": 4, "model.n_embd": 128, "train.seq_len": 128,
               "train.global_batch_size": 32, "train.micro_batch_size": 16, "train.max_steps": 200,
               "train.eval_every": 50, "train.eval_batches": 4, "optim.lr": 2e-3,
@@ -747,8 +745,7 @@ CHOICES = {
     "train.compile": ["auto", "true", "false"],
     "dist.backend": ["auto", "nccl", "gloo"],
 }
-# What each number may be: a value of the right type can still train wrongly and exit 0
-# (grad_clip=-1 flips every gradient, warmup_steps=-5 starts with a negative rate).
+# What each number may be: grad_clip=-1 would flip every gradient and still exit 0
 RANGES = {
     **dict.fromkeys(["model.n_layer", "model.n_head", "model.n_embd", "train.global_batch_size",
                      "train.micro_batch_size", "train.max_steps", "train.eval_every", "log.every",
@@ -770,9 +767,8 @@ def in_range(value, low, high):
 
 
 class ConfigLoader(yaml.SafeLoader):
-    """YAML that reads what a config means: 3e-4 is a float (PyYAML's YAML 1.1 needs 1.0e-4); 010,
-    0x10 and 1:30 are not numbers (YAML 1.1 reads 8, 16, 90); only true and false are booleans
-    (not yes, no, on, off); a key given twice is an error, not a silent replacement."""
+    """YAML as a config means it: 3e-4 is a float; 010, 0x10, 1:30, yes and off stay strings (YAML
+    1.1 reads numbers and booleans); a key given twice is an error, not a silent replacement."""
 
     def construct_mapping(self, node, deep=False):
         seen_at = {}
@@ -805,10 +801,8 @@ PREPROCESS_KEYS = {"data.vocab_size": "--vocab-size", "data.val_fraction": "--va
 
 
 def load_config(args, use_cuda):
-    """DEFAULTS, then config.yaml beside this file (or the .yaml given first), then key=value
-    arguments (of a key given twice, the last); each value must have the type of its default. A
-    preset (no GPU; or an optional part's) sets only keys that the file and the arguments left at
-    their defaults, and says which."""
+    """DEFAULTS, then config.yaml (or the .yaml given first), then key=value arguments; a preset
+    sets only the keys both left at their defaults, and says which."""
     defaults = flatten(DEFAULTS)
     flat, presets = dict(defaults), dict(PRESETS)
     config_path = Path(__file__).with_name("config.yaml")
@@ -847,15 +841,14 @@ def load_config(args, use_cuda):
     if applied:
         log0(f"preset {preset_name}: {', '.join(f'{k}={v}' for k, v in applied.items())} (keys "
              "left at their defaults; give one to override it)")
-    tree = {}
+    tree = {}  # `section.key` settings as cfg.section.key
     for key, value in flat.items():
-        *sections, name = key.split(".")
-        node = tree
-        for section in sections:
-            node = node.setdefault(section, {})
-        node[name] = value
-    return SimpleNamespace(**{k: SimpleNamespace(**v) if isinstance(v, dict) else v
-                              for k, v in tree.items()})
+        section, dot, name = key.partition(".")
+        if dot:
+            setattr(tree.setdefault(section, SimpleNamespace()), name, value)
+        else:
+            tree[key] = value
+    return SimpleNamespace(**tree)
 
 
 def read_yaml(path):
@@ -867,8 +860,7 @@ def read_yaml(path):
         die(f"{path} is not valid YAML at {where} ({getattr(error, 'problem', None) or error}) -> "
             "fix that line")
     if not isinstance(tree, dict):
-        die(f"{path} does not hold `key: value` sections -> start from this repository's "
-            "config.yaml")
+        die(f"{path} does not hold `key: value` sections -> copy the repository's config.yaml")
     return tree
 
 
@@ -957,9 +949,7 @@ def choose_precision(requested, device):
         die("train.precision=fp16 needs a CUDA GPU (GradScaler) -> use fp32 or bf16 on a CPU")
     if requested != "auto":
         return requested
-    # Not torch.cuda.is_bf16_supported(): True on V100 and T4, which emulate bf16, so fp16 and its
-    # GradScaler would never run where they are needed. bf16 tensor cores start with Ampere (8.0).
-
+    # not torch.cuda.is_bf16_supported(): True on V100 and T4, which only emulate bf16
     if device.type != "cuda":
         return "fp32"
     return "bf16" if torch.cuda.get_device_capability(device) >= (8, 0) else "fp16"
@@ -996,7 +986,6 @@ def log0(*values):
 # ----------------------------------------------------------------------------- 3. data
 
 def prepare_command(data_dir):
-    """The command that prepares text into data_dir: the default corpus, or the user's text."""
     source = "" if str(data_dir) == DEFAULTS["data"]["dir"] else " --input YOUR_TEXT"
     return f"python preprocess.py{source} --out {data_dir}"
 
@@ -1026,11 +1015,8 @@ def read_meta(data_dir, reader):
 
 
 class ArrowTokens:
-    """The samples of one split, read straight from memory-mapped Arrow files: the tokens are never
-    copied into memory as a whole (the epoch's permutation holds 8 bytes per sample, though). Every
-    row ends with end-of-text, so the flat values are the concatenated token stream, and sample i
-    is the block stream[i*L : i*L + L + 1] (inputs and shifted labels). The reader stands for its
-    task, a causal LM: its model, micro-batches, label count, FLOPs, export; other readers alike."""
+    """A split's samples from memory-mapped Arrow files: sample i is stream[i*L : i*L + L + 1] of
+    the token stream. A reader stands for its task (causal LM): model, batches, FLOPs, export."""
     task, kind, unit, model_class = "causal", "text", "tokens", AutoModelForCausalLM
     sdpa = "sdpa_causal"  # ours, without a mask: causal batches are never padded (choose_attention)
     prepare_command = staticmethod(prepare_command)
@@ -1082,7 +1068,6 @@ class ArrowTokens:
         return f"vocab {self.vocab_size} padded to {config.vocab_size}"
 
     def span(self, start, length):
-        """`length` tokens of the stream from `start`, across shard boundaries if need be."""
         out, filled = np.empty(length, dtype=np.int64), 0
         piece = int(np.searchsorted(self.piece_starts, start, side="right")) - 1
         while filled < length:
@@ -1216,8 +1201,7 @@ def build_model(cfg, reader, meta, device):
             "directory written by save_pretrained")
     reader.adapt_pretrained(model, cfg, meta)
     if config.tied_by_the_model and not config.tie_word_embeddings:
-        # a tied checkpoint holds one table, and transformers would leave an untied output layer
-        # random: it starts as the copy it was while tied
+        # a tied checkpoint holds one table: transformers would leave the untied output layer random
         model.get_output_embeddings().weight.data.copy_(model.get_input_embeddings().weight.data)
         log0("untied the output layer from the input embedding (model.tie_word_embeddings=false): "
              "it starts as a copy")
@@ -1225,9 +1209,8 @@ def build_model(cfg, reader, meta, device):
 
 
 def choose_attention(requested, device, sdpa, architecture=None):
-    """auto: FlashAttention-2 where flash_attn imports on a GPU of compute capability 8.0 or newer
-    (older GPUs fail at the first forward); else the reader's sdpa (ours: no mask, none padded);
-    eager for model classes transformers runs without SDPA (architecture: e.g. DeBERTa-v2's)."""
+    """auto: FlashAttention-2 where flash_attn imports on a GPU of compute capability 8.0+; else the
+    reader's sdpa; eager for model classes transformers runs without SDPA."""
     supports = {kind: getattr(architecture, f"_supports_{kind}", True)
                 for kind in ("sdpa", "flash_attn")}
     usable = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0) and \
@@ -1237,8 +1220,8 @@ def choose_attention(requested, device, sdpa, architecture=None):
     if requested == "auto" and not supports["sdpa"]:
         return "eager"
     if requested == "auto" and sdpa != "sdpa":
-        # transformers' "sdpa" builds an explicit mask under torch.compile (all true here), and
-        # SDPA runs no flash kernel with one: ours passes none; SDPA's is_causal is the model's.
+        # transformers' "sdpa" builds an all-true mask under torch.compile, and SDPA runs no flash
+        # kernel with one: ours passes none
         AttentionInterface.register(sdpa, sdpa_attention_forward)
         AttentionMaskInterface.register(sdpa, lambda *args, **kwargs: None)
         return sdpa
@@ -1249,16 +1232,14 @@ def choose_attention(requested, device, sdpa, architecture=None):
 
 
 def flash_attn_available():
-    try:
+    with contextlib.suppress(ImportError):
         import flash_attn  # noqa: F401
         return True
-    except ImportError:
-        return False
+    return False
 
 
 def repeated_blocks(model):
-    """The model's repeated layers (its transformer blocks): the members of its outermost
-    nn.ModuleLists, but none holding the input embedding (a tied output layer shares its weight)."""
+    """The members of the outermost nn.ModuleLists (blocks), none holding the input embedding."""
     embedding, blocks = model.get_input_embeddings(), []
     for module in model.modules():  # parents before children
         if isinstance(module, torch.nn.ModuleList) and not any(
@@ -1269,12 +1250,8 @@ def repeated_blocks(model):
 
 
 def model_flops_counter(raw_model, shape_of):
-    """A function from the sample lengths of each micro-batch to their model FLOPs, for MFU, where
-    shape_of(lengths) gives a micro-batch's positions computed (padding too) and query-key pairs:
-    PaLM's count (Chowdhery et al. 2022, app. B) with attention as computed here. Matmuls: 2 FLOPs
-    per multiply-add forward and two products of that size backward: 6 x matmul_params a position.
-    Attention (Q K^T and the weighted sum of V): 2 x 2 x width per query-key pair and layer forward,
-    x3 with backward. Not counted: norms, activations, softmax, lookups, the loss, recomputation."""
+    """Micro-batches' sample lengths -> model FLOPs (PaLM's count): 6 per matmul weight, position;
+    12 x width per query-key pair and layer; shape_of(lengths) gives (positions, pairs)."""
     matmul_params, config = count_matmul_params(raw_model), raw_model.config
     return lambda micro_batch_lengths: sum(
         6 * matmul_params * positions + 12 * config.num_hidden_layers * config.hidden_size * pairs
@@ -1282,8 +1259,7 @@ def model_flops_counter(raw_model, shape_of):
 
 
 def count_matmul_params(model):
-    """Parameters multiplied with every token: all but embedding lookups, plus the output layer when
-    it shares its weight with the input embedding (there it is a matmul)."""
+    """Parameters multiplied with every token: all but lookups, plus a tied output layer."""
     lookups = [m for m in model.modules() if isinstance(m, torch.nn.Embedding)]
     embedding_weights = {id(p): p.numel() for m in [*lookups, model.get_input_embeddings()]
                          for p in m.parameters(recurse=False)}
@@ -1315,17 +1291,8 @@ def lr_factor(step, cfg):
     return min_factor + (1 - min_factor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def state_tensors(parameters, optimizer):
-    """Each parameter, its gradient and its optimizer state's tensors, as this rank holds them."""
-    for parameter in parameters:
-        for tensor in [parameter, parameter.grad, *optimizer.state.get(parameter, {}).values()]:
-            if torch.is_tensor(tensor):
-                yield tensor.to_local() if hasattr(tensor, "to_local") else tensor  # FSDP: a shard
-
-
 def memory_prediction(raw_model, device):
-    """Bytes this rank holds between steps, from the parameters' counts and dtypes: the weights, a
-    gradient like each trained one, and AdamW's two moments (made like the parameter)."""
+    """Bytes held between steps: weights, a gradient per trained one, AdamW's two moments."""
     weights = trained = 0
     for parameter in raw_model.parameters():
         local = parameter.to_local() if hasattr(parameter, "to_local") else parameter  # FSDP
@@ -1340,13 +1307,15 @@ def memory_prediction(raw_model, device):
 
 
 def report_memory(setup, step, optimizer, predicted):
-    """After an update: the prediction, the same summed from the tensors that exist (its check),
-    on a GPU the allocator's allocated, peak and reserved bytes, and the input embedding's share."""
-    def held(parameters):  # by device type; AdamW's "step", a 0-d tensor, is no part of it
+    """After an update: the prediction, its check from the tensors that exist, the allocator's."""
+    def held(parameters):  # bytes by device type of each weight, its gradient and AdamW state
         sizes = {}
-        for tensor in (t for t in state_tensors(parameters, optimizer) if t.dim() > 0):
-            size = tensor.numel() * tensor.element_size()
-            sizes[tensor.device.type] = sizes.get(tensor.device.type, 0) + size
+        for parameter in parameters:
+            for tensor in [parameter, parameter.grad, *optimizer.state.get(parameter, {}).values()]:
+                if torch.is_tensor(tensor) and tensor.dim() > 0:  # not AdamW's 0-d "step"
+                    tensor = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # FSDP
+                    sizes[tensor.device.type] = sizes.get(tensor.device.type, 0) + \
+                        tensor.numel() * tensor.element_size()
         return sizes
 
     memory = {"predicted_bytes": sum(predicted.values()),
@@ -1369,16 +1338,14 @@ def report_memory(setup, step, optimizer, predicted):
                  f"{mib['reserved_bytes'] - mib['peak_bytes']:,.1f} MiB above the peak)")
     log0(line)
     embedding = held(setup.raw_model.get_input_embeddings().parameters())
-    log0(f"step {step} | input embedding (weights, gradients, optimizer state): "
-         + ", ".join(f"{size / 2**20:,.1f} MiB on {kind}"
-                     for kind, size in sorted(embedding.items())))
+    log0(f"step {step} | input embedding (weights, gradients, optimizer state): " + ", ".join(
+        f"{size / 2**20:,.1f} MiB on {kind}" for kind, size in sorted(embedding.items())))
 
 
 # -------------------------------------------------------------- 6. the checkpoint's safety details
 
 CHECKPOINT_FILES = [".metadata", "train_state.pt", "checksums.json"]  # DCP writes .metadata last
-# keys a resumed run must share with its checkpoint (they shape the model), and the value a
-# checkpoint written before the key existed had
+# keys that shape the model, so a resumed run must share them, and the value before a key existed
 MODEL_KEYS = {"model.type": None, "model.n_layer": None, "model.n_head": None,
               "model.n_embd": None, "model.pretrained": None, "model.intermediate_size": 0,
               "model.tie_word_embeddings": "auto", "model.embedding_gpu_rows": 0}
@@ -1387,7 +1354,6 @@ LOAD_ERRORS = (OSError, RuntimeError, KeyError, ValueError, EOFError, TypeError,
 
 
 def cannot_write(ckpt_dir, error, needed):
-    """The one line for a checkpoint that could not be written, with the disk's free space."""
     free = shutil.disk_usage(ckpt_dir).free if ckpt_dir.exists() else 0
     return (f"cannot write checkpoint to {ckpt_dir} ({first_line(error)}): {free / 2**20:,.1f} MiB "
             f"free there, a checkpoint needs about {needed / 2**20:,.1f} MiB -> free disk space or "
@@ -1395,7 +1361,6 @@ def cannot_write(ckpt_dir, error, needed):
 
 
 def tensor_bytes(state):
-    """The bytes of every tensor in a nested state dict."""
     if torch.is_tensor(state):
         return state.numel() * state.element_size()
     if isinstance(state, dict):
@@ -1404,9 +1369,8 @@ def tensor_bytes(state):
 
 
 def hold_directory(ckpt_dir, writing):
-    """Hold ckpt_dir for this run: an advisory lock on its .lock file, which the system releases
-    when the process ends however it ends, so a second run on it stops before it touches anything
-    and a dead holder never blocks. Returns the open file (the lock lasts as long as it)."""
+    """An advisory lock on ckpt_dir/.lock, released when the process ends however it ends: a
+    second run stops before it touches anything, a dead holder never blocks. Returns the file."""
     if not writing and not ckpt_dir.is_dir():
         return None
     try:
@@ -1473,8 +1437,7 @@ def step_dir(ckpt_dir, step):
 
 
 def step_of(path):
-    """A step_* directory's step as a number: as strings step_999900 sorts after step_1000000, and
-    pruning would then delete the newest checkpoints."""
+    """A step_* directory's step as a number: as strings step_999900 sorts after step_1000000."""
     match = re.fullmatch(r"step_(\d+)", path.name)
     return int(match.group(1)) if match else -1
 
@@ -1490,8 +1453,7 @@ def complete_checkpoints(ckpt_dir):
 
 
 def file_checksum(path):
-    """CRC-32 of a file: it catches truncated and bit-flipped files (not forgery: what protects
-    against a malicious file is that loading never runs pickled code)."""
+    """CRC-32 of a file: it catches truncated and bit-flipped files, not forgery."""
     checksum = 0
     with open(path, "rb") as file:
         while piece := file.read(1 << 24):
@@ -1543,9 +1505,8 @@ def check_shared_directory(ckpt_dir):
     def check_marker():
         marker = ckpt_dir / f".shared-{token}"
         if not marker.is_file() or marker.read_text() != token:
-            die(f"checkpoint.dir={ckpt_dir} is not the directory rank 0 writes to (its marker file "
-                "is not there) -> put checkpoint.dir on a filesystem every node mounts at the same "
-                "path")
+            die(f"checkpoint.dir={ckpt_dir} is not the directory rank 0 writes to -> put it on a "
+                "filesystem every node mounts at the same path")
 
     token = on_rank0(secrets.token_hex, 8)
     on_rank0(write_marker)
@@ -1571,8 +1532,7 @@ def changed_settings(saved_config, cfg):
 
 
 def weights_are_finite(raw_model):
-    """Each rank checks its shards, then all agree; one wait for the GPU, only before a checkpoint
-    or the export."""
+    """Each rank checks its shards, then all agree; one wait for the GPU (checkpoint, export)."""
     finite = torch.stack([torch.isfinite(local(p)).all() for p in raw_model.parameters()])
     finite = finite.all().float()
     dist.all_reduce(finite, op=dist.ReduceOp.MIN)
@@ -1597,8 +1557,7 @@ def restore_rng(saved_states, rank, seed, step):
 # ----------------------------------------------------------------------------- 7. training loop
 
 class Interval:
-    """What the log line sums over the steps since the last one, and its clock, which validation and
-    checkpoints (`with interval.paused():`) do not count as training time."""
+    """The log line's sums since the last one; its clock skips `with interval.paused():` spans."""
 
     def __init__(self, device):
         self.device = device
@@ -1634,8 +1593,7 @@ def log_interval(interval, setup, run, result):
     loss_sum = interval.loss_sum.item()  # waits for the GPU: the clock then counts finished work
     now = time.perf_counter()  # the next interval starts here: it pays for this line's work
     elapsed = now - interval.start - interval.paused_s
-    # Every rank's busy time (the interval less its waits for the others at the step's sync) and the
-    # share of it its device sat idle while its host built batches: the slowest rank holds up all.
+    # every rank's busy time (less its waits for the others) and its device's idle share
     per_rank = gather_floats([elapsed - setup.sync_wait.total_s(),
                               setup.data_wait.total_s() / elapsed], setup.device)
     busy = [busy_s for busy_s, _ in per_rank]
@@ -1665,30 +1623,27 @@ def log_interval(interval, setup, run, result):
 
 
 def log_line(record, max_steps):
-    """The console's compact line: each figure only where it exists."""
-    loss = "n/a" if record["loss"] is None else f"{record['loss']:.4f}"
-    line = (f"step {record['step']}/{max_steps} | loss {loss} | lr {record['lr']:.2e} | grad "
-            f"{record['grad_norm']:.3f}")
-    parts = [("tokens_per_sec", lambda r: f"{r['tokens_per_sec'] / 1e3:.1f}k tok/s"),
-             ("images_per_sec", lambda r: f"{r['images_per_sec']:.0f} img/s"),  # images
-             ("mfu", lambda r: f"MFU {100 * r['mfu']:.1f}%"),
-             ("mem_alloc_gib", lambda r: f"mem {r['mem_alloc_gib']:.1f}/"
-                                         f"{r['mem_reserved_gib']:.1f}/{r['mem_peak_gib']:.1f} GiB "
-                                         "alloc/res/peak"),
-             ("alloc_retries", lambda r: f"alloc retries {r['alloc_retries']}"),
-             ("gpu_util", lambda r: f"gpu {r['gpu_util']:.0f}%"),
-             ("data_wait_frac", lambda r: f"data {100 * r['data_wait_frac']:.1f}%"),
-             ("step_time_skew", lambda r: f"skew {r['step_time_skew']:.2f} "
-                                          f"(rank {r['slowest_rank']})")]
-    line += "".join(f" | {text(record)}" for key, text in parts if record.get(key) or (
-        key == "data_wait_frac" or (record.get(key) is not None and key != "alloc_retries")))
-    minutes, seconds = divmod(int(record["eta_s"]), 60)
+    r, known = record, {key for key, value in record.items() if value is not None}
+    minutes, seconds = divmod(int(r["eta_s"]), 60)
     hours, minutes = divmod(minutes, 60)
-    return line + f" | ETA {f'{hours}h{minutes:02d}m' if hours else f'{minutes}m{seconds:02d}s'}"
+    parts = [f"step {r['step']}/{max_steps}",
+             f"loss {'n/a' if r['loss'] is None else format(r['loss'], '.4f')}",
+             f"lr {r['lr']:.2e}", f"grad {r['grad_norm']:.3f}",
+             "tokens_per_sec" in known and f"{r['tokens_per_sec'] / 1e3:.1f}k tok/s",
+             "images_per_sec" in known and f"{r['images_per_sec']:.0f} img/s",  # images
+             "mfu" in known and f"MFU {100 * r['mfu']:.1f}%",
+             "mem_alloc_gib" in known and f"mem {r['mem_alloc_gib']:.1f}/"
+             f"{r['mem_reserved_gib']:.1f}/{r['mem_peak_gib']:.1f} GiB alloc/res/peak",
+             bool(r.get("alloc_retries")) and f"alloc retries {r['alloc_retries']}",
+             "gpu_util" in known and f"gpu {r['gpu_util']:.0f}%",
+             f"data {100 * r['data_wait_frac']:.1f}%",
+             "step_time_skew" in known and f"skew {r['step_time_skew']:.2f} "
+             f"(rank {r['slowest_rank']})",
+             f"ETA {f'{hours}h{minutes:02d}m' if hours else f'{minutes}m{seconds:02d}s'}"]
+    return " | ".join(part for part in parts if part)
 
 
 def stop_message(cfg, step):
-    """The line a stopped run ends with, and the command that goes on from there."""
     if not cfg.checkpoint.every:
         return (f"stopped at step {step} by a stop signal; no checkpoint (checkpoint.every=0) "
                 "-> the same command trains these steps again; set checkpoint.every to keep them")
@@ -1700,11 +1655,8 @@ def stop_message(cfg, step):
 
 
 def catch_stop_signals(requested):
-    """SIGTERM (a scheduler's preemption; torchrun passes it on to every worker and kills them 30 s
-    later by default) and SIGINT (Ctrl-C) ask for a clean stop: the list `requested` gets the
-    signal's name and time, and every rank stops after the same step, with a checkpoint. Slurm
-    signals every process of a job step and torchrun passes its own on, so signals within
-    STOP_REPEAT_S of the first repeat it; a later one stops this process at once, without one."""
+    """SIGTERM and SIGINT ask for a clean stop after the same step on every rank, with a checkpoint;
+    signals within STOP_REPEAT_S of the first repeat it, a later one stops at once."""
 
     def on_signal(number, frame):
         if requested and time.monotonic() - requested[0][1] > STOP_REPEAT_S:
@@ -1721,8 +1673,7 @@ def catch_stop_signals(requested):
 
 
 def open_metrics(out_dir, step):
-    """metrics.jsonl, kept across restarts: records past `step`, the checkpoint this run resumes
-    from, go, since those steps run again."""
+    """metrics.jsonl, kept across restarts less the records past `step`: those steps run again."""
     path = out_dir / "metrics.jsonl"
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -1742,7 +1693,6 @@ def open_metrics(out_dir, step):
 
 
 def write_metrics(setup, record):
-    """Append a record to metrics.jsonl (rank 0); returns it as written."""
     record = export_metrics(setup, record)  # metrics
     if setup.metrics:
         setup.metrics.write(json.dumps(record) + "\n")
@@ -1751,11 +1701,8 @@ def write_metrics(setup, record):
 
 
 class SpanTimer:
-    """The time of one recurring part of a step (building batches, waiting for the other ranks),
-    summed over a log interval without making the host wait for the GPU: `with timer:` around it. On
-    a GPU the host runs ahead, and what counts is what the GPU does meanwhile: two CUDA events on
-    its stream time the span as the GPU lives it (idle time included), read after the log line's
-    wait for the GPU. On a CPU each operation ends before the next starts: the host's clock does."""
+    """`with timer:` sums a span over a log interval without a wait for the GPU: on a GPU two CUDA
+    events time it as the GPU lives it (the host runs ahead); on a CPU the host's clock."""
 
     def __init__(self, device):
         self.on_gpu, self.host_s, self.recorded, self.spare = device.type == "cuda", 0.0, [], []
@@ -1790,8 +1737,7 @@ def gather_floats(values, device):
     return torch.stack(everyone).tolist()
 
 
-# Dense bf16 tensor-core peak per GPU (no sparsity), TFLOP/s, from NVIDIA's datasheets, by the exact
-# name torch.cuda.get_device_name() reports: a substring match would read "NVIDIA L40" as an L4.
+# Dense bf16 peak TFLOP/s (NVIDIA's datasheets) by exact device name: "NVIDIA L40" is not an L4
 PEAK_BF16_TFLOPS = {"NVIDIA H200": 989, "NVIDIA H100 80GB HBM3": 989, "NVIDIA H100 PCIe": 756,
                     "NVIDIA A100-SXM4-80GB": 312, "NVIDIA A100-SXM4-40GB": 312,
                     "NVIDIA A100 80GB PCIe": 312, "NVIDIA A100-PCIE-40GB": 312}
@@ -1856,13 +1802,12 @@ def export_final(raw_model, data_dir, meta, final_dir, cfg, device):
 
 
 def report_lost_ranks(error):
-    """A collective failed (a rank stopped answering for dist.timeout_s, or died): one line saying
-    which, and where the others can tell, which ranks stopped answering."""
+    """A collective failed: one line saying so and, where the store tells, which fell silent."""
     rank, text = dist.get_rank(), first_line(error)
     if "timed out" not in text.lower() and "timeout" not in text.lower():
         print(f"error: rank {rank} lost contact with another rank ({text}) -> look above for the "
-              "first rank that failed; launch.sh restarts the job from the last checkpoint "
-              "(MAX_RESTARTS)", file=sys.stderr, flush=True)
+              "first rank that failed; launch.sh restarts from the last checkpoint",
+              file=sys.stderr, flush=True)
         return
     silent = "unknown"
     with contextlib.suppress(Exception):  # the store may have gone with the failure: say nothing
@@ -1872,17 +1817,15 @@ def report_lost_ranks(error):
         silent = [other for other in range(dist.get_world_size())
                   if not store.check([f"timed_out/{other}"])] or "none"
     print(f"error: rank {rank}: a collective waited longer than dist.timeout_s; ranks that stopped "
-          f"answering: {silent} -> look at their logs (a hang, a deadlock, a dead node); raise "
-          "dist.timeout_s if they are only slow", file=sys.stderr, flush=True)
+          f"answering: {silent} -> read their logs, or raise dist.timeout_s", file=sys.stderr)
 
 
 # ======================================================================= sample draws: begin
 # Per-sample random draws that # MLM and # images share: delete this block with the last of them.
 
 def sample_uniforms(seed, epochs, sample_ids, positions, use):
-    """A float in [0, 1) per (epoch, sample, position), broadcast, for one use (MLM: 0 masked?, 1
-    replaced by what, 2 which random token; images: 3 crop and flip): a vectorised hash (splitmix64)
-    of (seed, epoch, sample, position, use) alone, so no rank or micro-batch changes a draw."""
+    """A float in [0, 1) per (epoch, sample, position, use): a hash of them alone, so no rank or
+    micro-batch changes a draw (uses: MLM 0 masked?, 1 how, 2 which token; images 3)."""
     shape = np.broadcast_shapes(np.shape(epochs), np.shape(sample_ids), np.shape(positions))
     mixed = np.full(shape, seed, dtype=np.uint64)
     for part in (epochs, sample_ids, np.asarray(positions) * 4 + use):
@@ -1899,8 +1842,7 @@ def splitmix64(values):
 
 
 # ============================================================================== MLM: begin
-# Masked-LM models (BERT, RoBERTa, ...). Delete this block and the lines tagged # MLM for a trainer
-# of causal language models only.
+# Masked-LM models (BERT, RoBERTa, ...). Delete this block and the lines tagged # MLM.
 
 # masked LMs' knobs, as config.yaml gives them (model.task=auto: a masked LM where the type has one)
 DEFAULTS["model"]["task"], CHOICES["model.task"] = "auto", ["auto", "causal", "mlm"]
@@ -1920,8 +1862,7 @@ def masked_lm_reader(cfg, reader):
 
 
 class MaskedTokens(ArrowTokens):
-    """A masked LM's samples: sample i is document i, truncated to L - 2 and framed as
-    [CLS] doc [SEP]; a micro-batch is padded and masked as BERT's (mask_tokens)."""
+    """Sample i is document i, cut to L - 2 as [CLS] doc [SEP]; padded and masked as BERT's."""
     task, model_class, sdpa = "mlm", transformers.AutoModelForMaskedLM, "sdpa"  # sdpa: it masks
 
     def __init__(self, data_dir, meta, split, seq_len):
@@ -1948,15 +1889,13 @@ class MaskedTokens(ArrowTokens):
         return piece, self.doc_offsets[piece], index - self.doc_starts[piece]
 
     def plan(self, position, seed, cfg, world_size):
-        """The global batch sorted by length before it is cut, so each micro-batch pads little; the
-        micro-batches are dealt round-robin, so every rank gets short and long ones."""
+        """Sorted by length before it is cut, so a micro-batch pads little; dealt round-robin."""
         sample_ids, epochs = global_batch(position, cfg.train.global_batch_size, len(self), seed)
         order = sorted(range(len(sample_ids)), key=lambda k: (self.length(sample_ids[k]), k))
         return deal(sample_ids[order], epochs[order], cfg.train.micro_batch_size, world_size)
 
     def micro_batch(self, sample_ids, epochs, cfg, device):
-        """Padded to seq_len (train.pad_to_multiple=0), or to its longest sample rounded up to a
-        multiple of it, with BERT's masking."""
+        """Padded to seq_len, or the longest rounded up to train.pad_to_multiple; BERT's masking."""
         samples = [self.sample(int(i)) for i in sample_ids]
         lengths = np.array([len(sample) for sample in samples])
         length = padded_length(lengths.max(), cfg.train.pad_to_multiple, self.seq_len)
@@ -1985,8 +1924,7 @@ class MaskedTokens(ArrowTokens):
 
     @staticmethod
     def flops_counter(raw_model, attention, cfg):
-        """A query sees every padded position of its micro-batch (SDPA, eager), or with
-        FlashAttention-2, which drops the padding before attention, its sample's only."""
+        """A query sees its micro-batch's padded positions; with FlashAttention-2 its own."""
         def shape_of(lengths):
             padded = padded_length(max(lengths), cfg.train.pad_to_multiple, cfg.train.seq_len)
             if attention == "flash_attention_2":
@@ -2003,9 +1941,7 @@ def masked_lm_loss(loss_of, cfg, reader):
 
 
 def dynamic_length(tensor):
-    """Mark dimension 1 (the length) dynamic, so one compiled graph serves every padded length.
-    Unmarked, Dynamo compiles the first length as a constant and again at the second. maybe_: a
-    torch that specializes the length anyway recompiles instead of failing."""
+    """Dimension 1 dynamic: one compiled graph for every padded length (maybe_: never fails)."""
     torch._dynamo.maybe_mark_dynamic(tensor, 1)
     return tensor
 
@@ -2030,8 +1966,7 @@ def mask_tokens(tokens, lengths, seed, epochs, sample_ids, special, vocab_size, 
 
 
 def masked_positions(seed, epochs, sample_ids, lengths, width, probability):
-    """Which positions BERT predicts, a row per sample: never [CLS] (position 0), [SEP] (length - 1)
-    or the padding after it; each other position with `probability`."""
+    """The positions BERT predicts: each with `probability`, never [CLS], [SEP] or padding."""
     positions = np.arange(width)
     candidates = (positions >= 1) & (positions <= lengths[:, None] - 2)
     uniforms = sample_uniforms(seed, epochs[:, None], sample_ids[:, None], positions, 0)
@@ -2040,21 +1975,18 @@ def masked_positions(seed, epochs, sample_ids, lengths, width, probability):
 
 
 # ============================================================================== images: begin
-# Image classification with ViT: data from `preprocess.py --images`. Delete this block and the lines
-# tagged # images for a trainer of language models only.
+# Image classification with ViT (`preprocess.py --images`). Delete it and the lines tagged # images.
 
 # image models' knobs, as config.yaml gives them
 DEFAULTS["model"]["patch_size"], MODEL_KEYS["model.patch_size"] = 0, 0
 DEFAULTS["train"].update(crop_padding=4, hflip=False)
 RANGES.update(dict.fromkeys(["model.patch_size", "train.crop_padding"], (0, None)))
-# Without a CUDA GPU and for model.type=vit, these replace CPU_PRESET's values: a small ViT from
-# scratch needs more steps and no random crops to reach 90% on the digits within minutes.
+# a ViT without a GPU: more steps, no random crops, to reach 90% on the digits within minutes
 CPU_PRESET_IMAGES = {"train.max_steps": 1000, "train.eval_every": 250, "train.crop_padding": 0,
                      "optim.lr": 3e-3, "optim.min_lr": 3e-4, "optim.warmup_steps": 50,
                      "checkpoint.every": 250}
 DIGITS_DIR = "data/digits"  # where an image model's default data, the digits, is prepared
-# With a CUDA GPU, model.type=vit and data.dir at its default (the digits), these replace the
-# defaults: the same small ViT, not compiled (compiling it takes longer than its 1,000 steps).
+# a ViT on a GPU on the digits: small and not compiled (compiling takes longer than 1,000 steps)
 GPU_PRESET_DIGITS = {"model.n_layer": 2, "model.n_head": 4, "model.n_embd": 128,
                      "train.global_batch_size": 32, "train.micro_batch_size": 32,
                      "train.max_steps": 1000, "train.eval_every": 500, "train.crop_padding": 0,
@@ -2064,8 +1996,7 @@ PRESETS.update(cpu_preset_images=CPU_PRESET_IMAGES, gpu_preset_digits=GPU_PRESET
 
 
 def image_preset(flat, name, preset, presets, use_cuda):
-    """An image model's preset and its name: data.dir the digits (the offline default images); for
-    a ViT without a GPU also the CPU preset's images part, with one on the digits the GPU's."""
+    """An image model's preset and its name: cpu_preset_images, gpu_preset_digits or images."""
     if not image_model_type(flat["model.type"], flat["model.pretrained"]):
         return name, preset
     if flat["model.type"] == "vit" and not use_cuda:
@@ -2076,7 +2007,6 @@ def image_preset(flat, name, preset, presets, use_cuda):
 
 
 def prepare_images_command(data_dir):
-    """The command that prepares images into data_dir: the digits, or the user's images."""
     source = "" if str(data_dir) == DIGITS_DIR else " YOUR_IMAGES"
     return f"python preprocess.py --images{source} --out {data_dir}"
 
@@ -2108,8 +2038,7 @@ def image_reader(cfg, reader):
 
 
 def vit_config(cfg, meta):
-    """A ViT of model.*'s shape for meta.json's images and classes, or model.pretrained's, with a
-    new classifier when the classes differ."""
+    """A ViT of model.*'s shape for meta.json's images and classes, or model.pretrained's."""
     size, classes = meta["image_size"], meta["classes"]
     labels = dict(num_labels=len(classes), id2label=dict(enumerate(classes)),
                   label2id={name: i for i, name in enumerate(classes)})
@@ -2136,8 +2065,7 @@ def vit_config(cfg, meta):
 
 
 def keep_or_renew_classifier(model, cfg, meta):
-    """A pretrained ViT keeps its classifier for the same class names in the same order; for any
-    others it gets a new one (from_pretrained would keep one of the same shape)."""
+    """A pretrained classifier stays for the same class names in order, else it starts anew."""
     pretrained = load_pretrained_config(cfg.model.pretrained)
     names, classes = [pretrained.id2label[i] for i in range(pretrained.num_labels)], meta["classes"]
     if names == classes:
@@ -2152,11 +2080,8 @@ def keep_or_renew_classifier(model, cfg, meta):
 
 
 def vit_flops_counter(raw_model, attention, cfg):
-    """Model FLOPs per image of a ViT's forward + backward, counted as model_flops_counter does:
-    each linear layer of the encoder multiplies every one of the P = patches + 1 (the class token)
-    positions, 6 FLOPs per weight; attention 12 x width per query-key pair and layer (P^2 pairs);
-    the patch projection 4 per weight and patch (the pixels need no gradient); the classifier reads
-    the class token alone."""
+    """A ViT's FLOPs per image as model_flops_counter counts them, over patches + 1 positions; the
+    patch projection 4 per weight (the pixels need no gradient), the classifier one position."""
     config = raw_model.config
     patches = (config.image_size // config.patch_size) ** 2
     positions = patches + 1
@@ -2170,10 +2095,7 @@ def vit_flops_counter(raw_model, attention, cfg):
 
 
 def export_image_model(raw_model, data_dir, meta, final_dir, cfg, device):
-    """save_pretrained and the image processor the pipeline applies before the model: the shorter
-    side resized to the image size (bicubic) and a centre crop, as preprocess.py did, then
-    meta.json's mean and std: pipeline("image-classification", model=final_dir) classifies. The
-    pipeline's load_image turns the image RGB (and upright) first, as preprocess.py's to_rgb."""
+    """save_pretrained and an image processor that prepares images as preprocess.py did."""
     size = meta["image_size"]
     if raw_model.config._attn_implementation == "sdpa_unmasked":  # registered in this process only
         raw_model.set_attn_implementation("sdpa")
@@ -2189,9 +2111,8 @@ def export_image_model(raw_model, data_dir, meta, final_dir, cfg, device):
 
 
 class ArrowImages:
-    """The images of one split, memory-mapped from Arrow files: sample i is image i (uint8 pixels,
-    height x width x RGB) and its label. One image is one sample, of "length" 1: the text path's
-    counts of tokens count images here. Its task: a ViT classifies them."""
+    """A split's images, memory-mapped from Arrow files: sample i is image i (uint8 HxWxRGB) and its
+    label, of "length" 1: the text path's token counts count images here."""
     task, kind, unit, seq_len, sdpa = "image", "images", "images", 1, "sdpa_unmasked"  # no mask
     model_class = transformers.AutoModelForImageClassification
     prepare_command, model_config = staticmethod(prepare_images_command), staticmethod(vit_config)
@@ -2255,7 +2176,6 @@ class ArrowImages:
         return -(-len(self) // cfg.train.global_batch_size)
 
     def pixels(self, sample_ids):
-        """The uint8 images of sample_ids, batch x height x width x RGB, gathered across files."""
         pieces = np.searchsorted(self.piece_starts, sample_ids, side="right") - 1
         out = np.empty((len(sample_ids), self.size, self.size, 3), dtype=np.uint8)
         for piece in np.unique(pieces):
@@ -2264,10 +2184,8 @@ class ArrowImages:
         return out
 
     def micro_batch(self, sample_ids, epochs, cfg, device):
-        """Images go to the device as uint8 (a quarter of float32's bytes), there to be cropped at
-        random from a zero-padded frame (train.crop_padding), flipped (train.hflip) and normalised,
-        by hashes of (seed, epoch, sample): alike on any number of ranks. In validation the samples
-        past the split's end (epochs > 0) only pad the last batch: their labels are ignored."""
+        """uint8 to the device, there cropped, flipped and normalised by hashes of (seed, epoch,
+        sample); validation ignores the labels past the split's end (epochs > 0)."""
         sample_ids = np.asarray(sample_ids, dtype=np.int64)
         epochs = np.asarray(epochs, dtype=np.int64)
         pixels = torch.from_numpy(self.pixels(sample_ids))
@@ -2303,16 +2221,15 @@ def check_classes(train_state, meta, path, cfg):
     classes = train_state.get("classes", meta.get("classes"))
     if classes != meta.get("classes"):
         die(f"checkpoint {path} was trained on the classes {classes}, {cfg.data.dir} has "
-            f"{meta.get('classes')} -> give the data.dir it was trained on, or start afresh in "
-            "another checkpoint.dir")
+            f"{meta.get('classes')} -> give its data.dir, or another checkpoint.dir")
 
 
 # ============================================================================== images: end
 
 
 # ============================================================================== metrics: begin
-# Optional exporters: TensorBoard scalars (rank 0), a Prometheus endpoint per process, NVML's GPU
-# utilisation. Delete this block and the lines tagged # metrics: metrics.jsonl stays.
+# TensorBoard, Prometheus, NVML's GPU utilisation. Delete it and the lines tagged # metrics:
+# metrics.jsonl stays.
 
 def start_exporters(cfg, step, device):
     """Each exporter asked for, or None where its package is missing (said in one line)."""
@@ -2341,8 +2258,8 @@ def start_exporters(cfg, step, device):
 
 
 def start_prometheus(port):
-    """prometheus_client's HTTP server for this process's gauges, in a thread; None without the
-    package. Its own registry: a second run in one process would register its gauges twice."""
+    """prometheus_client's server for this process's gauges; its own registry, so a second run in
+    one process does not register its gauges twice. None without the package."""
     try:
         import prometheus_client
     except ImportError:
@@ -2357,9 +2274,7 @@ def start_prometheus(port):
 
 
 def export_metrics(setup, record):
-    """The record with what this block measures (a train record's GPU utilisation, and DDP's
-    all-reduce times), every number of it under its own name: TensorBoard on rank 0, a gauge on
-    every rank (a key that is null today appears as soon as it holds a number)."""
+    """The record with this block's figures, each number to TensorBoard (rank 0) and a gauge."""
     exporters = setup.exporters
     if record["kind"] == "train":
         record = {**record, "gpu_util": exporters.gpu_util()}
@@ -2384,9 +2299,7 @@ def export_metrics(setup, record):
 
 
 def gpu_util_reader(device, enabled):
-    """A function giving this GPU's utilisation from NVML: the share of its last sample period in
-    which any kernel ran (a collective waiting for another rank counts as busy). None on a CPU, with
-    log.gpu_util=false, without pynvml, or where NVML cannot tell (a MIG slice)."""
+    """A function giving NVML's GPU utilisation (a waiting collective counts as busy), or None."""
     if device.type != "cuda" or not enabled:
         return None
     try:
@@ -2420,11 +2333,8 @@ def stop_exporters(exporters):
 
 
 # ============================================================================== fp8: begin
-# train.precision=fp8: the repeated blocks' linear layers multiply in float8 through torchao's
-# float8 training (tensorwise recipe: one scale per tensor, from its current maximum), everything
-# else under bf16 autocast as train.precision=bf16. The weights stay fp32 parameters under the
-# same names, so checkpoints and the export are those of a bf16 run. MFU is counted against the
-# bf16 peak, so that the two precisions compare.
+# train.precision=fp8: the blocks' linear layers multiply in float8 (torchao, tensorwise), the rest
+# as bf16; weights stay fp32, so checkpoints and export are a bf16 run's. MFU: the bf16 peak.
 
 def fp8_refusal(device, use_compile):
     """Why fp8 cannot pay here, or None: it needs float8 tensor cores, torch.compile and torchao."""
@@ -2432,7 +2342,7 @@ def fp8_refusal(device, use_compile):
 
     if device.type != "cuda":
         return ("train.precision=fp8 needs an NVIDIA GPU with float8 tensor cores (compute "
-                "capability 8.9: Ada, Hopper or later) -> use train.precision=bf16 or fp32 here")
+                "capability 8.9 or later) -> use train.precision=bf16 or fp32 here")
     capability = torch.cuda.get_device_capability(device)
     if capability < (8, 9):
         return (f"train.precision=fp8 needs float8 tensor cores (compute capability 8.9 or later), "
@@ -2447,8 +2357,7 @@ def fp8_refusal(device, use_compile):
 
 
 def fp8_layers(model):
-    """The layers fp8 trains: the nn.Linear layers of the repeated blocks whose sizes are multiples
-    of 16 (what float8 matmuls take). The embeddings, the output layer and any head stay in bf16."""
+    """The blocks' nn.Linear layers with sizes in multiples of 16 (what float8 matmuls take)."""
     in_blocks = {id(module) for block in repeated_blocks(model) for module in block.modules()}
     return [name for name, module in model.named_modules()
             if id(module) in in_blocks and isinstance(module, torch.nn.Linear)
@@ -2456,8 +2365,7 @@ def fp8_layers(model):
 
 
 def train_in_fp8(model, cfg, device, use_compile, sharded):
-    """train.precision=fp8: fp8_layers become torchao's Float8Linear in place, before compile and
-    sharding. Sharded (FSDP2), the weights are also gathered in float8: half the bytes of bf16."""
+    """fp8_layers become torchao's Float8Linear before compile and sharding."""
     if cfg.train.precision != "fp8":
         return
     refusal = fp8_refusal(device, use_compile)
@@ -2469,9 +2377,8 @@ def train_in_fp8(model, cfg, device, use_compile, sharded):
 
     chosen = set(fp8_layers(model))
     if not chosen:
-        die(f"train.precision=fp8 converts the nn.Linear layers of a model's repeated blocks, and "
-            f"{model.config.model_type} has none with sizes in multiples of 16 (GPT-2's blocks use "
-            "Conv1D) -> use model.type=llama, bert or vit, or train.precision=bf16")
+        die(f"train.precision=fp8: {model.config.model_type}'s blocks have no nn.Linear with sizes "
+            "in multiples of 16 -> use model.type=llama, bert or vit, or train.precision=bf16")
     config = dataclasses.replace(Float8LinearConfig.from_recipe_name("tensorwise"),
                                  enable_fsdp_float8_all_gather=sharded)
     convert_to_float8_training(model, config=config,
@@ -2484,19 +2391,15 @@ def train_in_fp8(model, cfg, device, use_compile, sharded):
 
 
 def fp8_scales_after_update(raw_model, cfg):
-    """The float8 scales of every updated weight for the next gathers, in one all-reduce (else each
-    gather finds its own)."""
-    if cfg.train.precision != "fp8":
-        return
-    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
-
-    precompute_float8_dynamic_scale_for_fsdp(raw_model)
+    """The next gathers' float8 scales in one all-reduce (else each gather finds its own)."""
+    if cfg.train.precision == "fp8":
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+        precompute_float8_dynamic_scale_for_fsdp(raw_model)
 
 
 def compile_fp8_blocks(model, cfg, use_compile):
-    """Under fp8, each repeated block is compiled on its own (one graph for all of them), and the
-    model not whole (False): at 1.3B parameters fp8's whole graph, 3x the ops of bf16's, did not
-    compile within 5 minutes; block by block the run trained within 2."""
+    """Under fp8 each block compiles on its own, not the whole model (False): fp8's whole graph
+    compiles far slower (bench/RESULTS.md)."""
     if cfg.train.precision != "fp8" or not use_compile:
         return use_compile
     for block in repeated_blocks(model):
@@ -2506,9 +2409,8 @@ def compile_fp8_blocks(model, cfg, use_compile):
 
 
 # ============================================================================== faults: begin
-# Fault injection for the tests, off unless FAULT=kind:rank:step[,...] is set (kill, kill-in-save,
-# hang, nan, slow), on a job's first attempt only, so a restarted job runs clean. Delete this block
-# and the lines tagged # FAULT: nothing else changes.
+# Fault injection for the tests: FAULT=kind:rank:step[,...], on a job's first attempt only. Delete
+# this block and the lines tagged # FAULT: nothing else changes.
 
 def fault(kind, step):
     specs = os.environ.get("FAULT")
@@ -2544,10 +2446,8 @@ def save_fault(step):
 
 
 def ended_attempt(code=None, line=None):
-    """A restart of the workers by torchrun (MAX_RESTARTS) cannot undo a stop or a mistake to fix:
-    the workers of an attempt that ended so note it, and those of the next one end alike at once.
-    The note lies on this node, named after torchrun's PID; a new torchrun starts afresh."""
-
+    """A torchrun restart cannot undo a stop or a mistake: an attempt that ended so notes it (a
+    file named after torchrun's PID), and the next one ends alike at once."""
     note = Path(tempfile.gettempdir()) / f"train-ended-{os.getppid()}.json"
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "-1"))
     if code is not None and restarts >= 0:
@@ -2568,8 +2468,7 @@ if __name__ == "__main__":
     try:
         try:
             main()
-            # Not at the end of main(): the sharded model holds the process group; freed after the
-            # group is gone, it would run the group's destructor itself and can deadlock there.
+            # the sharded model, freed after the group is gone, can deadlock in its destructor
             gc.collect()
             if dist.is_initialized():  # not with --check
                 dist.destroy_process_group()
