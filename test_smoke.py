@@ -3586,7 +3586,8 @@ def test_fp8_trains_the_blocks_linear_layers_of_sizes_in_multiples_of_16_and_not
     assert train_ddp.fp8_layers(gpt2) == []
     cfg = SimpleNamespace(train=SimpleNamespace(precision="fp8"))
     with unittest.mock.patch.object(train_ddp, "fp8_refusal", lambda device, use_compile: None), \
-            pytest.raises(train_ddp.UserError, match=r"gpt2 has none .* Conv1D.* model.type=llama"):
+            pytest.raises(train_ddp.UserError,
+                          match=r"gpt2's blocks have no nn.Linear .* Conv1D.* model.type=llama"):
         train_ddp.train_in_fp8(gpt2, cfg, torch.device("cpu"), True, sharded=False)
     bf16 = SimpleNamespace(train=SimpleNamespace(precision="bf16"))
     train_ddp.train_in_fp8(llama, bf16, torch.device("cpu"), True, sharded=False)
@@ -5609,7 +5610,7 @@ def test_functions_both_trainers_define_are_the_same_source_but_fsdps_own():
 
 
 # Lines per file: a budget against growth.
-FILE_BUDGET = {"train_ddp.py": 2839, "train_fsdp.py": 2493}
+FILE_BUDGET = {"train_ddp.py": 2840, "train_fsdp.py": 2494}
 # What each trainer defines above its marker line, in reading order, and nothing else: all a learner
 # needs to understand training a causal LM with DDP (or FSDP).
 LESSON = {

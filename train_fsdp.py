@@ -2378,7 +2378,8 @@ def train_in_fp8(model, cfg, device, use_compile, sharded):
     chosen = set(fp8_layers(model))
     if not chosen:
         die(f"train.precision=fp8: {model.config.model_type}'s blocks have no nn.Linear with sizes "
-            "in multiples of 16 -> use model.type=llama, bert or vit, or train.precision=bf16")
+            "in multiples of 16 (GPT-2's are Conv1D) -> use model.type=llama, bert or vit, or "
+            "train.precision=bf16")
     config = dataclasses.replace(Float8LinearConfig.from_recipe_name("tensorwise"),
                                  enable_fsdp_float8_all_gather=sharded)
     convert_to_float8_training(model, config=config,
