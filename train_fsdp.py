@@ -61,9 +61,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy,
                                     OffloadPolicy, fully_shard)
 from torch.distributed.tensor import DTensor
-from transformers import (AttentionInterface, AttentionMaskInterface, AutoConfig,
-                          AutoModelForCausalLM, PreTrainedTokenizerFast)
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
 
 @dataclass
@@ -1222,6 +1220,10 @@ def choose_attention(requested, device, sdpa, architecture=None):
     if requested == "auto" and sdpa != "sdpa":
         # transformers' "sdpa" builds an all-true mask under torch.compile, and SDPA runs no flash
         # kernel with one: ours passes none
+        # imported here: transformers' modeling code, seconds of start-up launch.sh's check skips
+        from transformers import AttentionInterface, AttentionMaskInterface
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
         AttentionInterface.register(sdpa, sdpa_attention_forward)
         AttentionMaskInterface.register(sdpa, lambda *args, **kwargs: None)
         return sdpa
