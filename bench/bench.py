@@ -84,6 +84,13 @@ TINY_VIT_SHAPE = {"n_layer": 2, "n_head": 4, "n_embd": 64, "intermediate_size": 
 TINY_VIT_BATCH = {"micro_batch_size": 32, "global_batch_size": 32, "train_images": 1024,
                   "val_images": 256}
 
+def fp8_pair(variant, shape, **settings):
+    """A stage of a Llama on one GPU: trainer variant `variant` in bf16, then the same in fp8."""
+    fp8 = f"variant:{variant}#fp8"
+    return {"sides": [f"variant:{variant}", fp8], "shape": shape, "gpus": 1, "llama": True,
+            "side_extra": {fp8: ["train.precision=fp8"]}, **settings}
+
+
 # steps: optimizer steps each side runs; skip_steps: the first steps left out of the figures
 # (compile, allocator warm-up). The window (skip_steps, steps] is the same for every side of a
 # stage, sized for 20-30 s of steady state on an H200. timeout_s holds for each side on its own; a
@@ -107,46 +114,31 @@ STAGES = {
     "hf_trainer_compiled": {"sides": ["hf_trainer_compiled"], "shape": "A", "gpus": 1, "steps": 200,
                             "skip_steps": 20, "log_every": 10, "timeout_s": 270},
     # train.precision=fp8 (torchao, needs it installed) against bf16 on a Llama of 1.3B parameters
-    # and one of shape B, micro-batches of 16 (4 a step); compiling takes about 3 minutes at 1.3B
+    # and one of shape B, micro-batches of 16 (4 a step), the trainer as it is: bf16 compiles the
+    # whole model (over 3 minutes a side at 1.3B), fp8 each block on its own
     "fp8_llama1p3b_1gpu": {"sides": ["config:llama", "config:llama_fp8"], "shape": "1.3B",
                            "gpus": 1, "steps": 30, "skip_steps": 10, "log_every": 5,
                            "timeout_s": 290, "budget_s": 580},
-    # the same, each block compiled on its own (variant:compile_blocks): compiling fp8's whole model
-    # took more than 290 s; a block's graph is compiled once for all 24
-    "fp8_blocks_llama1p3b_1gpu": {"sides": ["variant:compile_blocks", "variant:compile_blocks#fp8"],
-                                  "shape": "1.3B", "gpus": 1, "steps": 30, "skip_steps": 10,
-                                  "log_every": 5, "timeout_s": 290, "budget_s": 580,
-                                  "extra": ["model.type=llama", "model.intermediate_size=5440"],
-                                  "side_extra": {"variant:compile_blocks#fp8":
-                                                 ["train.precision=fp8"]}},
+    # the same with bf16's blocks compiled one by one too (variant:compile_blocks), as fp8's are
+    "fp8_blocks_llama1p3b_1gpu": fp8_pair("compile_blocks", "1.3B", steps=30, skip_steps=10,
+                                          log_every=5, timeout_s=290, budget_s=580),
     "fp8_shapeB_1gpu": {"sides": ["config:llama", "config:llama_fp8"], "shape": "B", "gpus": 1,
                         "steps": 40, "skip_steps": 10, "log_every": 5, "timeout_s": 280},
     # eager (train.compile=false; the variant lifts fp8's refusal of it): what fp8 gains without
     # torch.compile, the reason for that refusal
-    "fp8_eager_llama1p3b_1gpu": {"sides": ["variant:fp8_eager", "variant:fp8_eager#fp8"],
-                                 "shape": "1.3B", "gpus": 1, "steps": 16, "skip_steps": 6,
-                                 "log_every": 2, "timeout_s": 150, "budget_s": 300,
-                                 "extra": ["model.type=llama", "model.intermediate_size=5440",
-                                           "train.compile=false"],
-                                 "side_extra": {"variant:fp8_eager#fp8": ["train.precision=fp8"]}},
+    "fp8_eager_llama1p3b_1gpu": fp8_pair("fp8_eager", "1.3B", steps=16, skip_steps=6, log_every=2,
+                                         timeout_s=150, budget_s=300,
+                                         extra=["train.compile=false"]),
     # the loss after 300 steps on data/stdlib, fp8 against bf16: a global batch of 8 samples, so
     # that 300 steps fit a call; the validation loss over 4 batches (the whole validation split).
     # bf16 with its blocks compiled one by one as fp8's are: it compiles in a third of the time
-    "fp8_loss_llama1p3b_1gpu": {"sides": ["variant:compile_blocks", "variant:compile_blocks#fp8"],
-                                "shape": "1.3B", "gpus": 1, "steps": 300, "skip_steps": 20,
-                                "log_every": 25, "timeout_s": 280, "budget_s": 560,
-                                "batch": {"micro_batch_size": 8, "global_batch_size": 8},
-                                "extra": ["model.type=llama", "model.intermediate_size=5440",
-                                          "train.eval_batches=4"],
-                                "side_extra": {"variant:compile_blocks#fp8":
-                                               ["train.precision=fp8"]}},
+    "fp8_loss_llama1p3b_1gpu": fp8_pair("compile_blocks", "1.3B", steps=300, skip_steps=20,
+                                        log_every=25, timeout_s=280, budget_s=560,
+                                        batch={"micro_batch_size": 8, "global_batch_size": 8},
+                                        extra=["train.eval_batches=4"]),
     # shape B's Llama, both sides' blocks compiled one by one (fp8's as the trainer does it)
-    "fp8_blocks_shapeB_1gpu": {"sides": ["variant:compile_blocks", "variant:compile_blocks#fp8"],
-                               "shape": "B", "gpus": 1, "steps": 40, "skip_steps": 10,
-                               "log_every": 5, "timeout_s": 220, "budget_s": 440,
-                               "extra": ["model.type=llama", "model.intermediate_size=3392"],
-                               "side_extra": {"variant:compile_blocks#fp8":
-                                              ["train.precision=fp8"]}},
+    "fp8_blocks_shapeB_1gpu": fp8_pair("compile_blocks", "B", steps=40, skip_steps=10,
+                                       log_every=5, timeout_s=220, budget_s=440),
     # GPT-2 of shape B (the nanoGPT comparison's) with its blocks compiled one by one
     "compile_blocks_shapeB_1gpu": {"sides": ["ours", "variant:compile_blocks"], "shape": "B",
                                    "gpus": 1, "steps": 30, "skip_steps": 10, "log_every": 5,
@@ -942,9 +934,11 @@ def run_ours(stage_name, stage, shape, batch, tiny, port, log, side="ours"):
               **{name: "train_ddp.py" for name in SIDE_OVERRIDES}}.get(base_side)
     if base_side.startswith("variant:"):
         script = str(variant_script(base_side.split(":", 1)[1]).relative_to(REPO))
+    intermediate_size = round(8 / 3 * shape["n_embd"] / 64) * 64  # a Llama's MLP: 8/3 x width
+    if stage.get("llama"):  # every side a Llama of the stage's shape
+        overrides += ["model.type=llama", f"model.intermediate_size={intermediate_size}"]
     if base_side.startswith("config:"):
         script = "train_ddp.py"
-        intermediate_size = round(8 / 3 * shape["n_embd"] / 64) * 64
         overrides += [o.format(prometheus_port=port + 5, intermediate_size=intermediate_size)
                       for o in CONFIG_SIDES[base_side.split(":", 1)[1]]]
     command = ["bash", "launch.sh", script, *overrides, *stage.get("extra", []),
