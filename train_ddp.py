@@ -1013,8 +1013,8 @@ class ArrowTokens:
     task, kind, unit, model_class = "causal", "text", "tokens", AutoModelForCausalLM
     sdpa = "sdpa_causal"  # ours, without a mask: causal batches are never padded (choose_attention)
     prepare_command = staticmethod(prepare_command)
-    model_config = staticmethod(lambda cfg, meta: text_config(cfg, meta))  # section 4's
-    export = staticmethod(lambda *args: export_final(*args))  # section 7's, found when called
+    model_config = staticmethod(lambda cfg, meta: text_config(cfg, meta))  # defined below
+    export = staticmethod(lambda *args: export_final(*args))  # defined below: looked up on call
 
     def __init__(self, data_dir, meta, split, seq_len):
         special = meta.get("special_tokens")
@@ -1215,7 +1215,7 @@ def choose_attention(requested, device, sdpa, architecture=None):
     if requested == "auto" and sdpa != "sdpa":
         # transformers' "sdpa" builds an all-true mask under torch.compile, and SDPA runs no flash
         # kernel with one: ours passes none
-        # imported here: transformers' modeling code, seconds of start-up launch.sh's check skips
+        # imported here, not at the top: it loads transformers' modeling code, seconds --check skips
         from transformers import AttentionInterface, AttentionMaskInterface
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
