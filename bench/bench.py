@@ -143,14 +143,14 @@ STAGES = {
     "compile_blocks_shapeB_1gpu": {"sides": ["ours", "variant:compile_blocks"], "shape": "B",
                                    "gpus": 1, "steps": 30, "skip_steps": 10, "log_every": 5,
                                    "timeout_s": 240, "batch": {"micro_batch_size": 32}},
-    # Levers against nanoGPT on shape A, one at a time, every side with micro-batches of 32:
-    # Python's garbage collector off in the loop, CUDA graphs (torch.compile's reduce-overhead),
-    # inductor's coordinate-descent tuning; then cuDNN's attention against flash at head sizes 64
-    # and 80, and micro-batches of 64 on both sides
-    "levers_shapeA_1gpu": {"sides": ["ours", "nanogpt", "variant:gc_off", "variant:cuda_graphs",
-                                     "variant:inductor_tuned"], "shape": "A", "gpus": 1,
-                           "steps": 150, "skip_steps": 20, "log_every": 10, "timeout_s": 200,
-                           "budget_s": 580, "batch": {"micro_batch_size": 32}},
+    # Levers against nanoGPT on shape A, one at a time, every side with micro-batches of 32: cuDNN's
+    # attention instead of flash, CUDA graphs (torch.compile's reduce-overhead), Python's garbage
+    # collector off in the loop; then cuDNN's attention at head sizes 64 and 80, and micro-batches
+    # of 64 on both sides
+    "levers_shapeA_1gpu": {"sides": ["ours", "nanogpt", "variant:sdpa_cudnn",
+                                     "variant:cuda_graphs", "variant:gc_off"], "shape": "A",
+                           "gpus": 1, "steps": 150, "skip_steps": 20, "log_every": 10,
+                           "timeout_s": 200, "budget_s": 490, "batch": {"micro_batch_size": 32}},
     "attention_levers_shapeA_1gpu": {"sides": ["ours", "variant:sdpa_cudnn", "config:micro64",
                                                "nanogpt_micro64"], "shape": "A", "gpus": 1,
                                      "steps": 150, "skip_steps": 20, "log_every": 10,
