@@ -151,6 +151,13 @@ STAGES = {
                                      "variant:cuda_graphs", "variant:gc_off"], "shape": "A",
                            "gpus": 1, "steps": 150, "skip_steps": 20, "log_every": 10,
                            "timeout_s": 200, "budget_s": 490, "batch": {"micro_batch_size": 32}},
+    # CUDA graphs on shape A; on shape B: the blocks compiled one by one, and CUDA graphs
+    "graphs_shapeA_1gpu": {"sides": ["ours", "variant:cuda_graphs"], "shape": "A", "gpus": 1,
+                           "steps": 150, "skip_steps": 20, "log_every": 10, "timeout_s": 200,
+                           "batch": {"micro_batch_size": 32}},
+    "levers_shapeB_1gpu": {"sides": ["ours", "variant:compile_blocks", "variant:cuda_graphs"],
+                           "shape": "B", "gpus": 1, "steps": 30, "skip_steps": 10, "log_every": 5,
+                           "timeout_s": 240, "budget_s": 470, "batch": {"micro_batch_size": 32}},
     "attention_levers_shapeA_1gpu": {"sides": ["ours", "variant:sdpa_cudnn", "config:micro64",
                                                "nanogpt_micro64"], "shape": "A", "gpus": 1,
                                      "steps": 150, "skip_steps": 20, "log_every": 10,
@@ -364,11 +371,19 @@ VARIANTS = {
     "gc_off": [("    memory_step = min(run.step + 2, cfg.train.max_steps)",
                 "    gc.collect()\n    gc.freeze()\n    gc.disable()\n"
                 "    memory_step = min(run.step + 2, cfg.train.max_steps)")],
-    # one process: the compiled model's graphs replayed as CUDA graphs (fewer kernel launches)
+    # one process: the compiled model's graphs replayed as CUDA graphs (fewer kernel launches).
+    # A graph's outputs are overwritten by its next replay: each forward starts a new step for
+    # CUDA graph trees, and the gradients are kept (zeroed, not freed), so that the backward adds
+    # into them rather than handing its output buffer to .grad
     "cuda_graphs": [("        return torch.compile(raw_model) if use_compile else raw_model, "
                      "nothing\n",
                      "        return torch.compile(raw_model, mode=\"reduce-overhead\") "
-                     "if use_compile else raw_model, nothing\n")],
+                     "if use_compile else raw_model, nothing\n"),
+                    ("            with setup.autocast:\n                logits = model(",
+                     "            torch.compiler.cudagraph_mark_step_begin()\n"
+                     "            with setup.autocast:\n                logits = model("),
+                    ("    optimizer.zero_grad(set_to_none=True)",
+                     "    optimizer.zero_grad(set_to_none=False)")],
     # inductor tunes each generated kernel's launch parameters (a longer compile)
     "inductor_tuned": [("def main():\n", "def main():\n"
                         "    import torch._inductor.config as inductor_config\n"

@@ -4,6 +4,9 @@ chunks of the sequence). What a lever can gain at most before a trainer side is 
 
     python3 bench/step_parts.py            # micro-batches of 32 at sequence 1024, shapes A and B
 """
+import contextlib
+import sys
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -11,8 +14,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 MICRO, SEQ, VOCAB = 32, 1024, 8192
 # (name, heads, head size): shape A, shape B, and a head size of 80
 ATTENTION = [("A 12 x 64", 12, 64), ("B 20 x 64", 20, 64), ("A 12 x 80", 12, 80)]
-BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
-            "efficient": SDPBackend.EFFICIENT_ATTENTION}
+BACKENDS = {"default": None, "flash": SDPBackend.FLASH_ATTENTION,
+            "cudnn": SDPBackend.CUDNN_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION}
 
 
 def milliseconds(fn, repeats=20):
@@ -32,11 +35,20 @@ def attention_times():
         q, k, v = (torch.randn(MICRO, heads, SEQ, head_size, device="cuda", dtype=torch.bfloat16,
                                requires_grad=True) for _ in range(3))
         grad = torch.randn_like(q)
+        # the layout GPT-2 hands SDPA: heads split from one (batch, sequence, 3 x width) tensor
+        qkv = torch.randn(MICRO, SEQ, 3 * heads * head_size, device="cuda", dtype=torch.bfloat16)
+        split = [t.view(MICRO, SEQ, heads, head_size).transpose(1, 2)
+                 for t in qkv.split(heads * head_size, dim=2)]
+        names = {backend.value: name for name, backend in SDPBackend.__members__.items()}
+        choices = [names[torch._fused_sdp_choice(*tensors, is_causal=True)]
+                   for tensors in [(q, k, v), split]]
+        print(f"attention {name}: SDPA's default choice {choices} "
+              "(contiguous heads, GPT-2's split)", flush=True)
         flops = 4 * MICRO * heads * SEQ * SEQ * head_size / 2 * 3.5  # causal; backward 2.5x
         row = []
         for backend, kind in BACKENDS.items():
             def step():
-                with sdpa_kernel(kind):
+                with sdpa_kernel(kind) if kind else contextlib.nullcontext():
                     out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
                 out.backward(grad)
             try:
@@ -78,4 +90,5 @@ def output_loss_times():
 if __name__ == "__main__":
     print(torch.__version__, torch.cuda.get_device_name(), "cuDNN", torch.backends.cudnn.version())
     attention_times()
-    output_loss_times()
+    if "--attention-only" not in sys.argv:
+        output_loss_times()
