@@ -151,6 +151,13 @@ STAGES = {
                                      "variant:cuda_graphs", "variant:gc_off"], "shape": "A",
                            "gpus": 1, "steps": 150, "skip_steps": 20, "log_every": 10,
                            "timeout_s": 200, "budget_s": 490, "batch": {"micro_batch_size": 32}},
+    # the trainer as it ships against nanoGPT, both with the trainer's default GPU micro-batches
+    "same_micro_shapeA_1gpu": {"sides": ["ours", "nanogpt"], "shape": "A", "gpus": 1,
+                               "steps": 150, "skip_steps": 20, "log_every": 10, "timeout_s": 200,
+                               "batch": {"micro_batch_size": 32}},
+    "same_micro_shapeB_1gpu": {"sides": ["ours", "nanogpt"], "shape": "B", "gpus": 1, "steps": 30,
+                               "skip_steps": 10, "log_every": 5, "timeout_s": 240,
+                               "batch": {"micro_batch_size": 32}},
     # CUDA graphs on shape A; on shape B: the blocks compiled one by one, and CUDA graphs
     "graphs_shapeA_1gpu": {"sides": ["ours", "variant:cuda_graphs"], "shape": "A", "gpus": 1,
                            "steps": 150, "skip_steps": 20, "log_every": 10, "timeout_s": 200,
@@ -1656,6 +1663,20 @@ def figures(stage_records):
         if name == "shapeB_1gpu":
             row("shapeB_1gpu_mfu", ours.get("mfu"),
                 "fraction of peak dense bf16 FLOP/s (train_ddp.py's table)",
+                nanogpt_label(ours) + ", MFU by our formula", theirs.get("mfu_by_our_formula"),
+                ours.get("command"), theirs.get("command"), ours)
+    for shape in ["A", "B"]:
+        sides = by_stage.get(f"same_micro_shape{shape}_1gpu", {})
+        ours, theirs = sides.get("ours"), sides.get("nanogpt") or {}
+        if ours:
+            row(f"shape{shape}_1gpu_vs_nanogpt_same_micro_tokens_per_sec",
+                ours.get("tokens_per_sec"), "tokens/s (both with micro-batches of 32)",
+                nanogpt_label(ours) + ", micro-batches of 32", theirs.get("tokens_per_sec"),
+                ours.get("command"), theirs.get("command"), ours,
+                note=f"max/min over the window ours {ours.get('tokens_per_sec_max_over_min')}")
+        if ours and shape == "B":
+            row("shapeB_1gpu_mfu", ours.get("mfu"),
+                "fraction of peak dense bf16 FLOP/s (train_ddp.py's table), micro-batches of 32",
                 nanogpt_label(ours) + ", MFU by our formula", theirs.get("mfu_by_our_formula"),
                 ours.get("command"), theirs.get("command"), ours)
     for shape in ["A", "B"]:
