@@ -5,16 +5,14 @@
     torchrun --nproc_per_node 8 train_ddp.py train.max_steps=1000 optim.lr=3e-4
 
 Read it from the top down to the line "below this, reference machinery you may skip" (before
-line 700): that is the lesson. Run, all that a run changes as it trains; main(), the seven sections
-of a run, a few lines each; train_step(), one optimizer step; the parallelism written out:
-wrap_model() (DDP, a reducer of ours, or none), NaiveReducer and InlineReducer (what DDP does for
-you); then what main() still calls for the lesson: distributed init, the batch plan, the
-checkpoint's write and resume, validation. Below the line, the reference by main()'s sections:
-config (the defaults, DEFAULTS, first; config.yaml beside this file, or a .yaml path given first,
-and section.key=value arguments override them), errors, the data readers, model and optimizer
-helpers, the checkpoint's safety details, logging and exporters.
-Optional parts stand in blocks at the end, each with a few lines tagged for it: # MLM (masked-LM
-models such as BERT) and # images (ViT classification), each the reader of its data with its model
+line 700): that is the lesson. Run, all that a run changes; main(), the seven sections of a run, a
+few lines each; train_step(), one optimizer step; wrap_model() (DDP, a reducer of ours, or none),
+NaiveReducer and InlineReducer (what DDP does for you); then distributed init, the batch plan, the
+checkpoint's write and resume, validation. Below the line, the reference in main()'s order: config
+(DEFAULTS first; config.yaml, or a .yaml path given first, and section.key=value override them),
+errors, data readers, model and optimizer helpers, the checkpoint's safety details, logging,
+exporters. Optional parts stand in blocks at the end, each with a few lines tagged for it: # MLM
+(masked LMs such as BERT) and # images (ViT classification), each its data's reader with its model
 and batches, # metrics (TensorBoard, Prometheus, NVML, the all-reduces timed), # tiered (an input
 embedding partly in CPU memory), # fp8, # FAULT (fault injection for the tests). A # DDP line is
 this file's alone in a definition train_fsdp.py otherwise shares word for word.
@@ -575,8 +573,6 @@ def write_checkpoint(ckpt_dir, step, keep, raw_model, optimizer, state):
             save_fault(step)  # FAULT
         (temporary / "config.yaml").write_text(yaml.safe_dump(state["config"], sort_keys=False))
         write_checksums(temporary, ["model.pt", "optimizer.pt", "train_state.pt"])
-        if final.exists():  # an incomplete leftover: resume refuses dirs with newer checkpoints
-            shutil.rmtree(final)
         publish(temporary, final, keep)
     except (OSError, RuntimeError) as error:  # torch.save says "disk full" as a RuntimeError
         shutil.rmtree(temporary, ignore_errors=True)
@@ -586,6 +582,8 @@ def write_checkpoint(ckpt_dir, step, keep, raw_model, optimizer, state):
 def publish(temporary, final, keep):
     """Rename into place, point `latest` at it, make both durable, then delete all but `keep`."""
     fsync_dir(temporary)
+    if final.exists():  # an incomplete leftover: resume refuses dirs with newer checkpoints
+        shutil.rmtree(final)
     os.rename(temporary, final)
     pointer = final.parent / f".latest-{os.getpid()}"
     with open(pointer, "w") as file:
@@ -962,9 +960,9 @@ def unloadable(error):
     return first_line(error)
 
 
-def log0(*values):
+def log0(*values, file=None):
     if int(os.environ.get("RANK", "0")) == 0:
-        print(*values, flush=True)
+        print(*values, file=file, flush=True)
 
 
 # ----------------------------------------------------------------------------- 3. data
@@ -1469,22 +1467,21 @@ def check_shared_directory(ckpt_dir):
     """Rank 0 writes a file of random name and content into ckpt_dir; every rank must find it."""
     def write_marker():
         try:
-            ckpt_dir.mkdir(parents=True, exist_ok=True)
-            (ckpt_dir / f".shared-{token}").write_text(token)
+            marker.write_text(token)  # into the directory hold_directory made
         except OSError as error:
             die(f"cannot write to checkpoint.dir={ckpt_dir} ({error}) -> set checkpoint.dir to a "
                 "writable directory")
 
     def check_marker():
-        marker = ckpt_dir / f".shared-{token}"
         if not marker.is_file() or marker.read_text() != token:
             die(f"checkpoint.dir={ckpt_dir} is not the directory rank 0 writes to -> put it on a "
                 "filesystem every node mounts at the same path")
 
     token = on_rank0(secrets.token_hex, 8)
+    marker = ckpt_dir / f".shared-{token}"
     on_rank0(write_marker)
     on_all_ranks(check_marker)
-    on_rank0((ckpt_dir / f".shared-{token}").unlink)
+    on_rank0(marker.unlink)
 
 
 def apply_settings(optimizer, scheduler, cfg, step):
@@ -2196,9 +2193,6 @@ def start_exporters(cfg, step, device):
                                             int(os.environ.get("LOCAL_RANK", "0")))
         outputs += [f"Prometheus on port {cfg.log.prometheus_port} + local rank, every interface, "
                     "/metrics"] if exporters.prometheus else []
-        if exporters.prometheus is None:
-            log0("note: no Prometheus endpoint: prometheus_client is not installed -> pip install "
-                 "prometheus_client")
     exporters.gpu_util = gpu_util_reader(device, cfg.log.gpu_util) or (lambda: None)
     log0(f"metrics: {', '.join([str(Path(cfg.out_dir) / 'metrics.jsonl'), *outputs])}")
     return exporters
@@ -2210,7 +2204,8 @@ def start_prometheus(port):
     try:
         import prometheus_client
     except ImportError:
-        return None
+        return log0("note: no Prometheus endpoint: prometheus_client is not installed -> pip "
+                    "install prometheus_client")
     registry = prometheus_client.CollectorRegistry()
     try:
         server, _ = prometheus_client.start_http_server(port, registry=registry)
@@ -2778,8 +2773,7 @@ def ended_attempt(code=None, line=None):
 
 if __name__ == "__main__":
     if ended := ended_attempt():  # this attempt is a restart after a stop or a mistake: end alike
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(ended["line"], file=sys.stderr, flush=True)
+        log0(ended["line"], file=sys.stderr)
         sys.exit(ended["code"])
     try:
         try:
@@ -2793,8 +2787,7 @@ if __name__ == "__main__":
     except (UserError, Stopped) as ending:
         code, line = (2, f"error: {ending}") if isinstance(ending, UserError) else (EXIT_STOPPED,
                                                                                     str(ending))
-        if int(os.environ.get("RANK", "0")) == 0:  # every rank has the same ending: rank 0 says it
-            print(line, file=sys.stderr, flush=True)
+        log0(line, file=sys.stderr)  # every rank has the same ending: rank 0 says it
         ended_attempt(code, line)
         if dist.is_initialized():
             dist.destroy_process_group()

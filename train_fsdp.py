@@ -5,20 +5,16 @@
     torchrun --nproc_per_node 8 train_fsdp.py train.max_steps=1000 optim.lr=3e-4
 
 This is train_ddp.py with the parallelism swapped: `diff train_ddp.py train_fsdp.py` shows what FSDP
-changes. Each rank keeps 1/world_size of the weights, gradients and AdamW state: a transformer
-block's weights are all-gathered just before its forward (and again before its backward) and freed
-after, and its gradients are reduce-scattered, so a rank ends a step with its own shard's gradient.
-The model is built on the meta device and filled from rank 0, so it never has to fit on one GPU;
-checkpoints are sharded (torch.distributed.checkpoint): every rank writes its part, and a checkpoint
+changes. Each rank keeps 1/world_size of the weights, gradients and AdamW state: a block's weights
+are all-gathered just before its forward (and backward) and freed after, its gradients
+reduce-scattered. The model is built on the meta device and filled from rank 0, so it never has to
+fit on one GPU; every rank writes its part of a checkpoint (torch.distributed.checkpoint), which
 loads on any number of ranks. Pick FSDP when the weights, gradients and AdamW state (16 bytes per
 parameter) do not fit on one GPU. The lesson runs from the top to the line "below this, reference
-machinery you may skip" (before line 700): Run, all that a run changes; main(), the seven sections
-of a run; train_step(), one step; FSDP's part: shard_model() and gradient_sync(); distributed init,
-the batch plan, the sharded checkpoint's write and resume, validation. Below it, the reference by
-main()'s sections: config (DEFAULTS first; config.yaml and section.key=value override them),
-errors, data readers, model and optimizer helpers, the checkpoint's safety details, logging,
-exporters. Optional parts stand in blocks at the end, each with a few lines tagged for it: # MLM,
-# images, # metrics (TensorBoard, Prometheus, NVML), # fp8 and # FAULT (fault injection for tests).
+machinery you may skip" (before line 700): Run; main(); train_step(); shard_model() and
+gradient_sync(); distributed init, the batch plan, the sharded checkpoint, validation. Below it the
+reference in main()'s order, as in train_ddp.py; at the end the optional blocks, each with a few
+lines tagged for it: # MLM, # images, # metrics (TensorBoard, Prometheus, NVML), # fp8, # FAULT.
 """
 
 import contextlib
@@ -579,8 +575,6 @@ def publish_shards(saving, shard_checksums):
     """Rename the complete checkpoint into place (DCP fsyncs each file it writes)."""
     try:
         write_checksums(saving.temporary, [".metadata", "train_state.pt"], known=shard_checksums)
-        if saving.final.exists():  # an incomplete leftover: resume refuses dirs with newer ones
-            shutil.rmtree(saving.final)
         publish(saving.temporary, saving.final, saving.keep)
     except OSError as error:
         shutil.rmtree(saving.temporary, ignore_errors=True)
@@ -590,6 +584,8 @@ def publish_shards(saving, shard_checksums):
 def publish(temporary, final, keep):
     """Rename into place, point `latest` at it, make both durable, then delete all but `keep`."""
     fsync_dir(temporary)
+    if final.exists():  # an incomplete leftover: resume refuses dirs with newer checkpoints
+        shutil.rmtree(final)
     os.rename(temporary, final)
     pointer = final.parent / f".latest-{os.getpid()}"
     with open(pointer, "w") as file:
@@ -967,9 +963,9 @@ def unloadable(error):
     return first_line(error)
 
 
-def log0(*values):
+def log0(*values, file=None):
     if int(os.environ.get("RANK", "0")) == 0:
-        print(*values, flush=True)
+        print(*values, file=file, flush=True)
 
 
 # ----------------------------------------------------------------------------- 3. data
@@ -1474,22 +1470,21 @@ def check_shared_directory(ckpt_dir):
     """Rank 0 writes a file of random name and content into ckpt_dir; every rank must find it."""
     def write_marker():
         try:
-            ckpt_dir.mkdir(parents=True, exist_ok=True)
-            (ckpt_dir / f".shared-{token}").write_text(token)
+            marker.write_text(token)  # into the directory hold_directory made
         except OSError as error:
             die(f"cannot write to checkpoint.dir={ckpt_dir} ({error}) -> set checkpoint.dir to a "
                 "writable directory")
 
     def check_marker():
-        marker = ckpt_dir / f".shared-{token}"
         if not marker.is_file() or marker.read_text() != token:
             die(f"checkpoint.dir={ckpt_dir} is not the directory rank 0 writes to -> put it on a "
                 "filesystem every node mounts at the same path")
 
     token = on_rank0(secrets.token_hex, 8)
+    marker = ckpt_dir / f".shared-{token}"
     on_rank0(write_marker)
     on_all_ranks(check_marker)
-    on_rank0((ckpt_dir / f".shared-{token}").unlink)
+    on_rank0(marker.unlink)
 
 
 def apply_settings(optimizer, scheduler, cfg, step):
@@ -2217,9 +2212,6 @@ def start_exporters(cfg, step, device):
                                             int(os.environ.get("LOCAL_RANK", "0")))
         outputs += [f"Prometheus on port {cfg.log.prometheus_port} + local rank, every interface, "
                     "/metrics"] if exporters.prometheus else []
-        if exporters.prometheus is None:
-            log0("note: no Prometheus endpoint: prometheus_client is not installed -> pip install "
-                 "prometheus_client")
     exporters.gpu_util = gpu_util_reader(device, cfg.log.gpu_util) or (lambda: None)
     log0(f"metrics: {', '.join([str(Path(cfg.out_dir) / 'metrics.jsonl'), *outputs])}")
     return exporters
@@ -2231,7 +2223,8 @@ def start_prometheus(port):
     try:
         import prometheus_client
     except ImportError:
-        return None
+        return log0("note: no Prometheus endpoint: prometheus_client is not installed -> pip "
+                    "install prometheus_client")
     registry = prometheus_client.CollectorRegistry()
     try:
         server, _ = prometheus_client.start_http_server(port, registry=registry)
@@ -2431,8 +2424,7 @@ def ended_attempt(code=None, line=None):
 
 if __name__ == "__main__":
     if ended := ended_attempt():  # this attempt is a restart after a stop or a mistake: end alike
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(ended["line"], file=sys.stderr, flush=True)
+        log0(ended["line"], file=sys.stderr)
         sys.exit(ended["code"])
     try:
         try:
@@ -2447,8 +2439,7 @@ if __name__ == "__main__":
         finish_checkpoint()  # one being written in the background is published before we leave
         code, line = (2, f"error: {ending}") if isinstance(ending, UserError) else (EXIT_STOPPED,
                                                                                     str(ending))
-        if int(os.environ.get("RANK", "0")) == 0:  # every rank has the same ending: rank 0 says it
-            print(line, file=sys.stderr, flush=True)
+        log0(line, file=sys.stderr)  # every rank has the same ending: rank 0 says it
         ended_attempt(code, line)
         if dist.is_initialized():
             dist.destroy_process_group()
