@@ -1559,8 +1559,8 @@ def log_interval(interval, setup, run, result):
     mine = torch.tensor([elapsed - setup.sync_wait.total_s(), setup.data_wait.total_s() / elapsed],
                         dtype=torch.float64, device=setup.device)
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(everyone, mine)  # one small all_gather; waits for the GPU
-    per_rank = torch.stack(everyone).tolist()
+    dist.all_gather(everyone, mine)
+    per_rank = torch.stack(everyone).tolist()  # the host waits for the all_gather
     busy = [busy_s for busy_s, _ in per_rank]
     cuda, gib, several = setup.device.type == "cuda", 2**30, len(per_rank) > 1
     record = {

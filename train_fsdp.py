@@ -272,13 +272,12 @@ def step_verdict(grad_norm, setup, run):
 
 def shard_model(cfg, reader, meta, device, use_compile, param_dtype):
     """The model, sharded: fully_shard on each transformer block, then on the root (the embeddings,
-    the final norm, the output layer). Rank 0 alone builds the whole model, in CPU memory (new
-    weights from the seed, or the pretrained ones); every rank builds it again on the meta device
-    (shapes, no memory), shards it and fills its shards from rank 0's: the model never has to fit on
-    one GPU, and its first weights are the same on any number of ranks. One rank (without CPU
-    offload) has nothing to shard: the model is trained whole, as torchtitan does at one rank too;
-    FSDP's per-block gathers and DTensor dispatch would only add host time. Its DCP checkpoints
-    resume on any number of ranks, and sharded ones on it."""
+    the final norm, the output layer). Rank 0 alone builds the whole model, in CPU memory; every
+    rank builds it again on the meta device (shapes, no memory), shards it and fills its shards from
+    rank 0's: the model never has to fit on one GPU, and its first weights are the same on any
+    number of ranks."""
+    # one rank (without CPU offload) trains the model whole: FSDP's per-block gathers and DTensor
+    # dispatch would only add host time; its DCP checkpoints still trade with any number of ranks
     if dist.get_world_size() == 1 and not cfg.fsdp.cpu_offload:
         model, attention = build_model(cfg, reader, meta, device)
         train_in_fp8(model, cfg, device, use_compile, sharded=False)  # fp8
@@ -1565,8 +1564,8 @@ def log_interval(interval, setup, run, result):
     mine = torch.tensor([elapsed - setup.sync_wait.total_s(), setup.data_wait.total_s() / elapsed],
                         dtype=torch.float64, device=setup.device)
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(everyone, mine)  # one small all_gather; waits for the GPU
-    per_rank = torch.stack(everyone).tolist()
+    dist.all_gather(everyone, mine)
+    per_rank = torch.stack(everyone).tolist()  # the host waits for the all_gather
     busy = [busy_s for busy_s, _ in per_rank]
     cuda, gib, several = setup.device.type == "cuda", 2**30, len(per_rank) > 1
     record = {
