@@ -5,20 +5,16 @@
     torchrun --nproc_per_node 8 train_fsdp.py train.max_steps=1000 optim.lr=3e-4
 
 This is train_ddp.py with the parallelism swapped: `diff train_ddp.py train_fsdp.py` shows what FSDP
-changes. Each rank keeps 1/world_size of the weights, gradients and AdamW state: a transformer
-block's weights are all-gathered just before its forward (and again before its backward) and freed
-after, and its gradients are reduce-scattered, so a rank ends a step with its own shard's gradient.
-The model is built on the meta device and filled from rank 0, so it never has to fit on one GPU;
-checkpoints are sharded (torch.distributed.checkpoint): every rank writes its part, and a checkpoint
+changes. Each rank keeps 1/world_size of the weights, gradients and AdamW state: a block's weights
+are all-gathered just before its forward (and backward) and freed after, its gradients
+reduce-scattered. The model is built on the meta device and filled from rank 0, so it never has to
+fit on one GPU; every rank writes its part of a checkpoint (torch.distributed.checkpoint), which
 loads on any number of ranks. Pick FSDP when the weights, gradients and AdamW state (16 bytes per
 parameter) do not fit on one GPU. The lesson runs from the top to the line "below this, reference
-machinery you may skip" (before line 700): Run, all that a run changes; main(), the seven sections
-of a run; train_step(), one step; FSDP's part: shard_model() and gradient_sync(); distributed init,
-the batch plan, the sharded checkpoint's write and resume, validation. Below it, the reference by
-main()'s sections: config (DEFAULTS first; config.yaml and section.key=value override them),
-errors, data readers, model and optimizer helpers, the checkpoint's safety details, logging,
-exporters. Optional parts stand in blocks at the end, each with a few lines tagged for it: # MLM,
-# images, # metrics (TensorBoard, Prometheus, NVML), # fp8 and # FAULT (fault injection for tests).
+machinery you may skip" (before line 700): Run; main(); train_step(); shard_model() and
+gradient_sync(); distributed init, the batch plan, the sharded checkpoint, validation. Below it the
+reference in main()'s order, as in train_ddp.py; at the end the optional blocks, each with a few
+lines tagged for it: # MLM, # images, # metrics (TensorBoard, Prometheus, NVML), # fp8, # FAULT.
 """
 
 import contextlib
@@ -28,6 +24,7 @@ import functools
 import gc
 import json
 import math
+import operator
 import os
 import pickle
 import re
@@ -157,7 +154,8 @@ def main():
                                                   scaler, cfg, meta)
 
     # -------------------------------------------------------------------------- 7. training loop
-    loss_of = loss_function(use_compile)
+    # the loss compiled on its own: the fp32 upcast, log-softmax and gather fuse
+    loss_of = torch.compile(token_loss_sum) if use_compile else token_loss_sum
     loss_of = masked_lm_loss(loss_of, cfg, reader)  # MLM: one graph for every length
     use_compile = compile_fp8_blocks(raw_model, cfg, use_compile)  # fp8
     model, parallel = gradient_sync(raw_model, use_compile)  # sharded in section 4
@@ -274,13 +272,12 @@ def step_verdict(grad_norm, setup, run):
 
 def shard_model(cfg, reader, meta, device, use_compile, param_dtype):
     """The model, sharded: fully_shard on each transformer block, then on the root (the embeddings,
-    the final norm, the output layer). Rank 0 alone builds the whole model, in CPU memory (new
-    weights from the seed, or the pretrained ones); every rank builds it again on the meta device
-    (shapes, no memory), shards it and fills its shards from rank 0's: the model never has to fit on
-    one GPU, and its first weights are the same on any number of ranks. One rank (without CPU
-    offload) has nothing to shard: the model is trained whole, as torchtitan does at one rank too;
-    FSDP's per-block gathers and DTensor dispatch would only add host time. Its DCP checkpoints
-    resume on any number of ranks, and sharded ones on it."""
+    the final norm, the output layer). Rank 0 alone builds the whole model, in CPU memory; every
+    rank builds it again on the meta device (shapes, no memory), shards it and fills its shards from
+    rank 0's: the model never has to fit on one GPU, and its first weights are the same on any
+    number of ranks."""
+    # one rank (without CPU offload) trains the model whole: FSDP's per-block gathers and DTensor
+    # dispatch would only add host time; its DCP checkpoints still trade with any number of ranks
     if dist.get_world_size() == 1 and not cfg.fsdp.cpu_offload:
         model, attention = build_model(cfg, reader, meta, device)
         train_in_fp8(model, cfg, device, use_compile, sharded=False)  # fp8
@@ -366,8 +363,7 @@ def init_distributed(cfg, world_size, rank, use_cuda):
     """One process group for the run (NCCL on GPUs, gloo on CPUs); returns this rank's device."""
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if use_cuda else \
         torch.device("cpu")
-    if use_cuda:
-        # without it every rank would build its NCCL communicator on GPU 0
+    if use_cuda:  # without it every rank would build its NCCL communicator on GPU 0
         torch.cuda.set_device(device)
     backend = cfg.dist.backend if cfg.dist.backend != "auto" else ("nccl" if use_cuda else "gloo")
     timeout = timedelta(seconds=cfg.dist.timeout_s)
@@ -519,8 +515,9 @@ def train_state(setup, run, scheduler, scaler):
     if not weights_are_finite(setup.raw_model):  # skipped steps keep this from happening
         die(f"the weights are not finite at step {run.step}: no checkpoint written -> lower "
             "optim.lr")
+    cuda = {"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {}
     rng_states = [None] * dist.get_world_size()
-    dist.all_gather_object(rng_states, rng_state())
+    dist.all_gather_object(rng_states, {"torch": torch.get_rng_state(), **cuda})
     return {"step": run.step, "samples_seen": run.position, "rng": rng_states,
             "tokens_seen": run.tokens_seen, "config": config_dict(setup.cfg),
             "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
@@ -577,8 +574,6 @@ def publish_shards(saving, shard_checksums):
     """Rename the complete checkpoint into place (DCP fsyncs each file it writes)."""
     try:
         write_checksums(saving.temporary, [".metadata", "train_state.pt"], known=shard_checksums)
-        if saving.final.exists():  # an incomplete leftover: resume refuses dirs with newer ones
-            shutil.rmtree(saving.final)
         publish(saving.temporary, saving.final, saving.keep)
     except OSError as error:
         shutil.rmtree(saving.temporary, ignore_errors=True)
@@ -588,6 +583,8 @@ def publish_shards(saving, shard_checksums):
 def publish(temporary, final, keep):
     """Rename into place, point `latest` at it, make both durable, then delete all but `keep`."""
     fsync_dir(temporary)
+    if final.exists():  # an incomplete leftover: resume refuses dirs with newer checkpoints
+        shutil.rmtree(final)
     os.rename(temporary, final)
     pointer = final.parent / f".latest-{os.getpid()}"
     with open(pointer, "w") as file:
@@ -748,20 +745,14 @@ RANGES = {
     **dict.fromkeys(["model.n_layer", "model.n_head", "model.n_embd", "train.global_batch_size",
                      "train.micro_batch_size", "train.max_steps", "train.eval_every", "log.every",
                      "train.eval_batches", "train.max_bad_steps", "checkpoint.keep",
-                     "train.seq_len"], (1, None)),
+                     "train.seq_len"], "at least 1"),
     **dict.fromkeys(["optim.min_lr", "optim.warmup_steps", "optim.weight_decay", "log.peak_tflops",
                      "model.intermediate_size", "model.embedding_gpu_rows", "optim.grad_clip",
-                     "checkpoint.every", "log.sample_tokens"], (0, None)),
-    **dict.fromkeys(["model.dropout", "optim.beta1", "optim.beta2"], (0, "below 1")),
-    **dict.fromkeys(["optim.lr", "optim.eps", "dist.timeout_s"], ("above 0", None)),
-    "log.prometheus_port": (0, 65535),
+                     "checkpoint.every", "log.sample_tokens"], "at least 0"),
+    **dict.fromkeys(["model.dropout", "optim.beta1", "optim.beta2"], "at least 0 and below 1"),
+    **dict.fromkeys(["optim.lr", "optim.eps", "dist.timeout_s"], "above 0"),
+    "log.prometheus_port": "at least 0 and at most 65535",
 }
-
-
-def in_range(value, low, high):
-    """Whether value lies within (low, high): a number bound includes itself, a word bound not."""
-    return ((low is None or (value > 0 if low == "above 0" else value >= low))
-            and (high is None or (value < 1 if high == "below 1" else value <= high)))
 
 
 class ConfigLoader(yaml.SafeLoader):
@@ -810,8 +801,12 @@ def load_config(args, use_cuda):
             die(f"config file {config_path} not found -> give the path of a config.yaml")
     if config_path.is_file():
         tree = read_yaml(config_path)
-        presets = {name: preset_section(tree, name, built_in, config_path)
-                   for name, built_in in presets.items()}
+        for name, built_in in PRESETS.items():  # `section.key: value` lines; empty: no preset
+            section = tree.pop(name, built_in)
+            if not isinstance(section, (dict, type(None))):
+                die(f"{name}: in {config_path} is not a section -> indent its `section.key: value` "
+                    "lines below it")
+            presets[name] = section or {}
         for key, value in flatten(tree).items():
             if not (value is None and isinstance(DEFAULTS.get(key), dict)):  # an empty section
                 flat[key] = typed(flat, key, value, " in the config file")
@@ -839,14 +834,9 @@ def load_config(args, use_cuda):
     if applied:
         log0(f"preset {preset_name}: {', '.join(f'{k}={v}' for k, v in applied.items())} (keys "
              "left at their defaults; give one to override it)")
-    tree = {}  # `section.key` settings as cfg.section.key
-    for key, value in flat.items():
-        section, dot, name = key.partition(".")
-        if dot:
-            setattr(tree.setdefault(section, SimpleNamespace()), name, value)
-        else:
-            tree[key] = value
-    return SimpleNamespace(**tree)
+    return SimpleNamespace(**{  # `section.key` settings as cfg.section.key
+        section: SimpleNamespace(**{name: flat[f"{section}.{name}"] for name in keys})
+        if isinstance(keys, dict) else flat[section] for section, keys in DEFAULTS.items()})
 
 
 def read_yaml(path):
@@ -860,14 +850,6 @@ def read_yaml(path):
     if not isinstance(tree, dict):
         die(f"{path} does not hold `key: value` sections -> copy the repository's config.yaml")
     return tree
-
-
-def preset_section(tree, name, built_in, path):
-    """A preset section of the config file (`section.key: value` lines; empty: no preset)."""
-    section = tree.pop(name, built_in)
-    if not isinstance(section, (dict, type(None))):
-        die(f"{name}: in {path} is not a section -> indent its `section.key: value` lines below it")
-    return section or {}
 
 
 def typed(flat, key, value, where):
@@ -914,12 +896,13 @@ def config_dict(cfg):
 def check_config(cfg, world_size):
     """Every number in range, a global batch that splits evenly: the micro-batches of a step."""
     values, defaults = config_dict(cfg), flatten(DEFAULTS)
-    for key, (low, high) in RANGES.items():
-        if not in_range(values[key], low, high):
-            allowed = " and ".join(bound if isinstance(bound, str) else f"{word} {bound}"
-                                   for bound, word in [(low, "at least"), (high, "at most")]
-                                   if bound is not None)
-            die(f"{key}={values[key]} is out of range -> give it a value {allowed}")
+    relations = {"at least": operator.ge, "above": operator.gt, "at most": operator.le,
+                 "below": operator.lt}
+    for key, allowed in RANGES.items():
+        for bound in allowed.split(" and "):
+            relation, _, limit = bound.rpartition(" ")
+            if not relations[relation](values[key], float(limit)):
+                die(f"{key}={values[key]} is out of range -> give it a value {allowed}")
     for key, reason in NOT_HERE.items():
         if values[key] != defaults[key]:
             die(f"{key}={values[key]} is {OTHER_TRAINER}'s ({reason}) -> use {OTHER_TRAINER}, or "
@@ -927,6 +910,9 @@ def check_config(cfg, world_size):
     if cfg.optim.min_lr > cfg.optim.lr:
         die(f"optim.min_lr={cfg.optim.min_lr} is above optim.lr={cfg.optim.lr} -> the decay ends "
             "at min_lr: lower it")
+    if not cfg.model.pretrained and cfg.model.n_embd % cfg.model.n_head:
+        die(f"model.n_embd={cfg.model.n_embd} is not divisible by model.n_head={cfg.model.n_head} "
+            "-> change one of them")
     per_round = cfg.train.micro_batch_size * world_size
     if cfg.train.global_batch_size % per_round:
         nearest = max(1, round(cfg.train.global_batch_size / per_round)) * per_round
@@ -976,9 +962,9 @@ def unloadable(error):
     return first_line(error)
 
 
-def log0(*values):
+def log0(*values, file=None):
     if int(os.environ.get("RANK", "0")) == 0:
-        print(*values, flush=True)
+        print(*values, file=file, flush=True)
 
 
 # ----------------------------------------------------------------------------- 3. data
@@ -1031,8 +1017,7 @@ class ArrowTokens:
                 f"cls, sep) {rebuild}")
         self.seq_len, self.vocab_size = seq_len, meta["vocab_size"]
         self.summary = f"{meta['splits'][split].get('tokens', 0):,} {split} tokens"
-        self.chunks, self.pieces, self.piece_starts = [], [], []  # a chunk's row: a document
-        stream_length = 0
+        self.chunks, self.pieces = [], []  # a chunk's row: a document
         for name in meta["splits"][split]["files"]:
             try:
                 table = pa.ipc.open_file(pa.memory_map(str(data_dir / name))).read_all()
@@ -1047,9 +1032,8 @@ class ArrowTokens:
                         f"{self.vocab_size} tokens {rebuild}")
                 self.chunks.append(chunk)
                 self.pieces.append(chunk.values.to_numpy(zero_copy_only=True))
-                self.piece_starts.append(stream_length)
-                stream_length += len(self.pieces[-1])
-        self.num_samples = self.count_samples(stream_length)
+        self.piece_starts = np.cumsum([0] + [len(piece) for piece in self.pieces])
+        self.num_samples = self.count_samples(int(self.piece_starts[-1]))
         if self.num_samples == 0:  # the trainer's data.val_fraction would not change the data
             more = (f"rebuild it with a larger --val-fraction F: {prepare_command(data_dir)} "
                     "--val-fraction F --force") if split == "val" else "prepare more text"
@@ -1116,12 +1100,6 @@ def token_loss_sum(logits, labels):
                            ignore_index=IGNORE_INDEX, reduction="sum")
 
 
-def loss_function(use_compile):
-    """token_loss_sum, compiled on its own: the fp32 upcast, log-softmax and gather fuse."""
-    loss_of = torch.compile(token_loss_sum) if use_compile else token_loss_sum
-    return loss_of
-
-
 # ----------------------------------------------------------------------------- 4. model
 
 def load_pretrained_config(path):
@@ -1157,7 +1135,6 @@ def text_config(cfg, meta):
             die(f"{cfg.model.pretrained} knows {config.max_position_embeddings} positions, "
                 f"train.seq_len is {cfg.train.seq_len} -> lower train.seq_len")
         return config
-    check_heads(cfg)
     special = meta["special_tokens"]
     try:
         config = AutoConfig.for_model(
@@ -1173,12 +1150,6 @@ def text_config(cfg, meta):
     if hasattr(config, "num_key_value_heads"):
         config.num_key_value_heads = cfg.model.n_head
     return config
-
-
-def check_heads(cfg):
-    if cfg.model.n_embd % cfg.model.n_head:
-        die(f"model.n_embd={cfg.model.n_embd} is not divisible by model.n_head={cfg.model.n_head} "
-            "-> change one of them")
 
 
 def build_model(cfg, reader, meta, device):
@@ -1498,22 +1469,21 @@ def check_shared_directory(ckpt_dir):
     """Rank 0 writes a file of random name and content into ckpt_dir; every rank must find it."""
     def write_marker():
         try:
-            ckpt_dir.mkdir(parents=True, exist_ok=True)
-            (ckpt_dir / f".shared-{token}").write_text(token)
+            marker.write_text(token)  # into the directory hold_directory made
         except OSError as error:
             die(f"cannot write to checkpoint.dir={ckpt_dir} ({error}) -> set checkpoint.dir to a "
                 "writable directory")
 
     def check_marker():
-        marker = ckpt_dir / f".shared-{token}"
         if not marker.is_file() or marker.read_text() != token:
             die(f"checkpoint.dir={ckpt_dir} is not the directory rank 0 writes to -> put it on a "
                 "filesystem every node mounts at the same path")
 
     token = on_rank0(secrets.token_hex, 8)
+    marker = ckpt_dir / f".shared-{token}"
     on_rank0(write_marker)
     on_all_ranks(check_marker)
-    on_rank0((ckpt_dir / f".shared-{token}").unlink)
+    on_rank0(marker.unlink)
 
 
 def apply_settings(optimizer, scheduler, cfg, step):
@@ -1539,11 +1509,6 @@ def weights_are_finite(raw_model):
     finite = finite.all().float()
     dist.all_reduce(finite, op=dist.ReduceOp.MIN)
     return bool(finite)
-
-
-def rng_state():
-    cuda = {"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {}
-    return {"torch": torch.get_rng_state(), **cuda}
 
 
 def restore_rng(saved_states, rank, seed, step):
@@ -1596,8 +1561,11 @@ def log_interval(interval, setup, run, result):
     now = time.perf_counter()  # the next interval starts here: it pays for this line's work
     elapsed = now - interval.start - interval.paused_s
     # every rank's busy time (less its waits for the others) and its device's idle share
-    per_rank = gather_floats([elapsed - setup.sync_wait.total_s(),
-                              setup.data_wait.total_s() / elapsed], setup.device)
+    mine = torch.tensor([elapsed - setup.sync_wait.total_s(), setup.data_wait.total_s() / elapsed],
+                        dtype=torch.float64, device=setup.device)
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    per_rank = torch.stack(everyone).tolist()  # the host waits for the all_gather
     busy = [busy_s for busy_s, _ in per_rank]
     cuda, gib, several = setup.device.type == "cuda", 2**30, len(per_rank) > 1
     record = {
@@ -1731,14 +1699,6 @@ class SpanTimer:
         return total
 
 
-def gather_floats(values, device):
-    """Every rank's list of floats, in rank order (one small all_gather; waits for the GPU)."""
-    mine = torch.tensor(values, dtype=torch.float64, device=device)
-    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(everyone, mine)
-    return torch.stack(everyone).tolist()
-
-
 # Dense bf16 peak TFLOP/s (NVIDIA's datasheets) by exact device name: "NVIDIA L40" is not an L4
 PEAK_BF16_TFLOPS = {"NVIDIA H200": 989, "NVIDIA H100 80GB HBM3": 989, "NVIDIA H100 PCIe": 756,
                     "NVIDIA A100-SXM4-80GB": 312, "NVIDIA A100-SXM4-40GB": 312,
@@ -1849,8 +1809,9 @@ def splitmix64(values):
 # masked LMs' knobs, as config.yaml gives them (model.task=auto: a masked LM where the type has one)
 DEFAULTS["model"]["task"], CHOICES["model.task"] = "auto", ["auto", "causal", "mlm"]
 DEFAULTS["train"].update(mlm_probability=0.15, pad_to_multiple=0)
-RANGES.update({"train.mlm_probability": ("above 0", "below 1"), "train.pad_to_multiple": (0, None),
-               "train.seq_len": (3, None)})  # a masked-LM sample is [CLS] token [SEP]
+RANGES.update({"train.mlm_probability": "above 0 and below 1",
+               "train.pad_to_multiple": "at least 0",
+               "train.seq_len": "at least 3"})  # a masked-LM sample is [CLS] token [SEP]
 MODEL_KEYS["model.task"] = None
 
 
@@ -1982,7 +1943,7 @@ def masked_positions(seed, epochs, sample_ids, lengths, width, probability):
 # image models' knobs, as config.yaml gives them
 DEFAULTS["model"]["patch_size"], MODEL_KEYS["model.patch_size"] = 0, 0
 DEFAULTS["train"].update(crop_padding=4, hflip=False)
-RANGES.update(dict.fromkeys(["model.patch_size", "train.crop_padding"], (0, None)))
+RANGES.update(dict.fromkeys(["model.patch_size", "train.crop_padding"], "at least 0"))
 # a ViT without a GPU: more steps, no random crops, to reach 90% on the digits within minutes
 CPU_PRESET_IMAGES = {"train.max_steps": 1000, "train.eval_every": 250, "train.crop_padding": 0,
                      "optim.lr": 3e-3, "optim.min_lr": 3e-4, "optim.warmup_steps": 50,
@@ -2052,7 +2013,6 @@ def vit_config(cfg, meta):
                 f"{config.image_size}")
         config.update(labels)
         return config
-    check_heads(cfg)
     patch = cfg.model.patch_size or min(16, size // 4)  # 16 as ViT-B/16; 4 x 4 patches at least
     if patch == 0:
         die(f"the images are {size} pixels, too few for 4 x 4 patches -> prepare them with "
@@ -2251,9 +2211,6 @@ def start_exporters(cfg, step, device):
                                             int(os.environ.get("LOCAL_RANK", "0")))
         outputs += [f"Prometheus on port {cfg.log.prometheus_port} + local rank, every interface, "
                     "/metrics"] if exporters.prometheus else []
-        if exporters.prometheus is None:
-            log0("note: no Prometheus endpoint: prometheus_client is not installed -> pip install "
-                 "prometheus_client")
     exporters.gpu_util = gpu_util_reader(device, cfg.log.gpu_util) or (lambda: None)
     log0(f"metrics: {', '.join([str(Path(cfg.out_dir) / 'metrics.jsonl'), *outputs])}")
     return exporters
@@ -2265,7 +2222,8 @@ def start_prometheus(port):
     try:
         import prometheus_client
     except ImportError:
-        return None
+        return log0("note: no Prometheus endpoint: prometheus_client is not installed -> pip "
+                    "install prometheus_client")
     registry = prometheus_client.CollectorRegistry()
     try:
         server, _ = prometheus_client.start_http_server(port, registry=registry)
@@ -2465,8 +2423,7 @@ def ended_attempt(code=None, line=None):
 
 if __name__ == "__main__":
     if ended := ended_attempt():  # this attempt is a restart after a stop or a mistake: end alike
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(ended["line"], file=sys.stderr, flush=True)
+        log0(ended["line"], file=sys.stderr)
         sys.exit(ended["code"])
     try:
         try:
@@ -2481,8 +2438,7 @@ if __name__ == "__main__":
         finish_checkpoint()  # one being written in the background is published before we leave
         code, line = (2, f"error: {ending}") if isinstance(ending, UserError) else (EXIT_STOPPED,
                                                                                     str(ending))
-        if int(os.environ.get("RANK", "0")) == 0:  # every rank has the same ending: rank 0 says it
-            print(line, file=sys.stderr, flush=True)
+        log0(line, file=sys.stderr)  # every rank has the same ending: rank 0 says it
         ended_attempt(code, line)
         if dist.is_initialized():
             dist.destroy_process_group()
