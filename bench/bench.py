@@ -164,7 +164,7 @@ STAGES = {
                            "batch": {"micro_batch_size": 32}},
     "levers_shapeB_1gpu": {"sides": ["ours", "variant:compile_blocks", "variant:cuda_graphs"],
                            "shape": "B", "gpus": 1, "steps": 30, "skip_steps": 10, "log_every": 5,
-                           "timeout_s": 220, "budget_s": 400, "batch": {"micro_batch_size": 32}},
+                           "timeout_s": 200, "budget_s": 270, "batch": {"micro_batch_size": 32}},
     "attention_levers_shapeA_1gpu": {"sides": ["ours", "variant:sdpa_cudnn", "config:micro64",
                                                "nanogpt_micro64"], "shape": "A", "gpus": 1,
                                      "steps": 150, "skip_steps": 20, "log_every": 10,
