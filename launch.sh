@@ -420,7 +420,8 @@ show_held_back() { if [ -f "$HELD_BACK" ]; then cat "$HELD_BACK" >&2; fi; }
 # stderr: its summary of a failure names the rank that failed first, which the report below needs.
 echo "launching: ${TORCHRUN[*]}"
 STARTING=1  # a signal from here on is passed on once torchrun's PID is known
-"${TORCHRUN[@]}" 2>>"$RUN_LOG_DIR/torchrun.log" &
+# LAUNCH_RUN marks torchrun and its workers, not this script: lost_workers finds them by it
+LAUNCH_RUN=$RUN_LOG_DIR "${TORCHRUN[@]}" 2>>"$RUN_LOG_DIR/torchrun.log" &
 TORCHRUN_PID=$!
 if [ -n "$STOPPED_BY" ]; then kill -TERM "$TORCHRUN_PID" 2>/dev/null || true; fi
 # deaf to SIGTERM, which Slurm sends to every process: the stream lasts until torchrun has exited
@@ -449,6 +450,24 @@ done
 status=0
 wait "$TORCHRUN_PID" || status=$?
 wait "$TAIL_PID" || true
+
+# A signal while torchrun starts its workers ends torchrun before it knows them: they run on, each
+# in a session of its own. Whatever still carries this run's mark is ended: SIGTERM, SIGKILL at 30 s.
+lost_workers() {
+  grep -lsxzF "LAUNCH_RUN=$RUN_LOG_DIR" /proc/[0-9]*/environ | cut -d/ -f3 || true
+}
+end_lost_workers() {
+  local lost count waited=0
+  mapfile -t lost < <(lost_workers)
+  count=${#lost[@]}
+  [ "$count" -gt 0 ] || return 0
+  kill -TERM "${lost[@]}" 2>/dev/null || true
+  while [ -n "$(lost_workers)" ] && [ "$waited" -lt 60 ]; do sleep 0.5; waited=$((waited + 1)); done
+  mapfile -t lost < <(lost_workers)
+  if [ ${#lost[@]} -gt 0 ]; then kill -KILL "${lost[@]}" 2>/dev/null || true; fi
+  echo "note: torchrun exited and left $count of its processes running: ended them" >&2
+}
+end_lost_workers
 
 last_attempt_dir() {  # LOG_DIR/<date>-node<rank>-<pid>/<rendezvous id>_<random>/attempt_<restarts>
   local run_dir attempt=0

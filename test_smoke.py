@@ -4807,6 +4807,41 @@ def test_a_launch_stopped_before_the_trainers_line_names_the_command_that_resume
     assert len(failure) == 1 and f"-> {command} to continue" in failure[0], stderr
 
 
+# Rank 0 leaves a process behind in a session of its own, as torchrun leaves the workers it was
+# starting when a signal came: they outlive torchrun
+LEAVES_A_PROCESS = FAKE_TRAINER.replace('print("training", flush=True)', """import subprocess
+if os.environ["LOCAL_RANK"] == "0":
+    left = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
+                            start_new_session=True)
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "left.tmp"), "w") as file:
+        file.write(str(left.pid))
+    os.rename(file.name, file.name.replace(".tmp", ".pid"))
+print("training", flush=True)""")
+
+
+def test_a_stopped_launch_ends_the_processes_torchrun_lost(tmp_path):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "meta.json").write_text("{}")
+    launch = launch_script(tmp_path, LEAVES_A_PROCESS, popen=True, name="train_fake.py")
+    left_pid = None
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "left.pid").exists():
+            assert launch.poll() is None and time.monotonic() < deadline, launch.communicate()
+            time.sleep(0.1)
+        left_pid = int((tmp_path / "left.pid").read_text())
+        launch.send_signal(signal.SIGTERM)
+        stdout, stderr = launch.communicate(timeout=60)
+        still_running = is_running(left_pid)
+    finally:
+        kill_process_tree(launch.pid)
+        if left_pid and is_running(left_pid):
+            os.kill(left_pid, signal.SIGKILL)
+    assert launch.returncode == 143, stdout + stderr
+    assert not still_running
+    assert "note: torchrun exited and left 1 of its processes running: ended them" in stderr
+
+
 # ---- launch.sh: two hosts ------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
