@@ -143,10 +143,10 @@ STAGES = {
     "compile_blocks_shapeB_1gpu": {"sides": ["ours", "variant:compile_blocks"], "shape": "B",
                                    "gpus": 1, "steps": 30, "skip_steps": 10, "log_every": 5,
                                    "timeout_s": 240, "batch": {"micro_batch_size": 32}},
-    # Levers against nanoGPT on shape A, one at a time, every side with micro-batches of 32: cuDNN's
-    # attention instead of flash, CUDA graphs (torch.compile's reduce-overhead), Python's garbage
-    # collector off in the loop; then cuDNN's attention at head sizes 64 and 80, and micro-batches
-    # of 64 on both sides
+    # Levers against nanoGPT on shape A, one at a time, every side with micro-batches of 32: SDPA
+    # limited to cuDNN's attention (already its choice on an H100 under torch 2.11: step_parts.py),
+    # CUDA graphs (torch.compile's reduce-overhead), Python's garbage collector off in the loop;
+    # then cuDNN's attention at head sizes 64 and 80, and micro-batches of 64 on both sides
     "levers_shapeA_1gpu": {"sides": ["ours", "nanogpt", "variant:sdpa_cudnn",
                                      "variant:cuda_graphs", "variant:gc_off"], "shape": "A",
                            "gpus": 1, "steps": 150, "skip_steps": 20, "log_every": 10,
