@@ -3,6 +3,7 @@ kernel SDPA picks (flash, cuDNN, memory-efficient) and the output layer with its
 chunks of the sequence). What a lever can gain at most before a trainer side is spent on it.
 
     python3 bench/step_parts.py            # micro-batches of 32 at sequence 1024, shapes A and B
+    python3 bench/step_parts.py --attention-only   # the attention kernels and SDPA's own choice
 """
 import contextlib
 import sys
