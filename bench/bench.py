@@ -151,6 +151,15 @@ STAGES = {
                                      "variant:cuda_graphs", "variant:gc_off"], "shape": "A",
                            "gpus": 1, "steps": 150, "skip_steps": 20, "log_every": 10,
                            "timeout_s": 200, "budget_s": 490, "batch": {"micro_batch_size": 32}},
+    "attention_levers_shapeA_1gpu": {"sides": ["ours", "variant:sdpa_cudnn", "config:micro64",
+                                               "nanogpt_micro64"], "shape": "A", "gpus": 1,
+                                     "steps": 150, "skip_steps": 20, "log_every": 10,
+                                     "timeout_s": 200, "budget_s": 580,
+                                     "batch": {"micro_batch_size": 32}},
+    "attention_head80_1gpu": {"sides": ["ours", "variant:sdpa_cudnn"], "shape": "A", "gpus": 1,
+                              "steps": 150, "skip_steps": 20, "log_every": 10, "timeout_s": 200,
+                              "batch": {"micro_batch_size": 32},
+                              "extra": ["model.n_embd=960", "model.n_head=12"]},
     # the trainer as it ships against nanoGPT, both with the trainer's default GPU micro-batches
     "same_micro_shapeA_1gpu": {"sides": ["ours", "nanogpt"], "shape": "A", "gpus": 1,
                                "steps": 150, "skip_steps": 20, "log_every": 10, "timeout_s": 200,
@@ -165,15 +174,6 @@ STAGES = {
     "levers_shapeB_1gpu": {"sides": ["ours", "variant:compile_blocks", "variant:cuda_graphs"],
                            "shape": "B", "gpus": 1, "steps": 30, "skip_steps": 10, "log_every": 5,
                            "timeout_s": 200, "budget_s": 270, "batch": {"micro_batch_size": 32}},
-    "attention_levers_shapeA_1gpu": {"sides": ["ours", "variant:sdpa_cudnn", "config:micro64",
-                                               "nanogpt_micro64"], "shape": "A", "gpus": 1,
-                                     "steps": 150, "skip_steps": 20, "log_every": 10,
-                                     "timeout_s": 200, "budget_s": 580,
-                                     "batch": {"micro_batch_size": 32}},
-    "attention_head80_1gpu": {"sides": ["ours", "variant:sdpa_cudnn"], "shape": "A", "gpus": 1,
-                              "steps": 150, "skip_steps": 20, "log_every": 10, "timeout_s": 200,
-                              "batch": {"micro_batch_size": 32},
-                              "extra": ["model.n_embd=960", "model.n_head=12"]},
     # train_fsdp.py against train_ddp.py on one GPU, micro-batches of 32 (the GPU default)
     "fsdp_shapeA_1gpu": {"sides": ["ours", "ours_fsdp"], "shape": "A",
                          "gpus": 1, "steps": 150, "skip_steps": 30, "log_every": 10,
@@ -378,10 +378,9 @@ VARIANTS = {
     "gc_off": [("    memory_step = min(run.step + 2, cfg.train.max_steps)",
                 "    gc.collect()\n    gc.freeze()\n    gc.disable()\n"
                 "    memory_step = min(run.step + 2, cfg.train.max_steps)")],
-    # one process: the compiled model's graphs replayed as CUDA graphs (fewer kernel launches).
-    # A graph's outputs are overwritten by its next replay: each forward starts a new step for
-    # CUDA graph trees, and the gradients are kept (zeroed, not freed), so that the backward adds
-    # into them rather than handing its output buffer to .grad
+    # one process: the compiled model's graphs replayed as CUDA graphs (fewer kernel launches),
+    # each forward starting a new step of CUDA graph trees, the gradients zeroed rather than freed.
+    # Under torch 2.11 it stops in the first backward (bench/RESULTS.md, graphs_shapeA_1gpu)
     "cuda_graphs": [("        return torch.compile(raw_model) if use_compile else raw_model, "
                      "nothing\n",
                      "        return torch.compile(raw_model, mode=\"reduce-overhead\") "
