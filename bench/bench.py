@@ -139,6 +139,16 @@ STAGES = {
     # shape B's Llama, both sides' blocks compiled one by one (fp8's as the trainer does it)
     "fp8_blocks_shapeB_1gpu": fp8_pair("compile_blocks", "B", steps=40, skip_steps=10,
                                        log_every=5, timeout_s=220, budget_s=440),
+    # shape B's Llama, every side's blocks compiled one by one: bf16, fp8 as the trainer does it,
+    # fp8 for the MLP alone, fp8 rowwise
+    "fp8_levers_shapeB_1gpu": {"sides": ["variant:compile_blocks", "variant:compile_blocks#fp8",
+                                         "variant:fp8_mlp_only", "variant:fp8_rowwise"],
+                               "shape": "B", "gpus": 1, "llama": True, "steps": 40,
+                               "skip_steps": 10, "log_every": 5, "timeout_s": 150,
+                               "budget_s": 560,
+                               "side_extra": {side: ["train.precision=fp8"] for side in [
+                                   "variant:compile_blocks#fp8", "variant:fp8_mlp_only",
+                                   "variant:fp8_rowwise"]}},
     # GPT-2 of shape B (the nanoGPT comparison's) with its blocks compiled one by one
     "compile_blocks_shapeB_1gpu": {"sides": ["ours", "variant:compile_blocks"], "shape": "B",
                                    "gpus": 1, "steps": 30, "skip_steps": 10, "log_every": 5,
@@ -167,6 +177,18 @@ STAGES = {
     "same_micro_shapeB_1gpu": {"sides": ["ours", "nanogpt"], "shape": "B", "gpus": 1, "steps": 30,
                                "skip_steps": 10, "log_every": 5, "timeout_s": 240,
                                "batch": {"micro_batch_size": 32}},
+    # host-time and kernel levers on shapes A and B, one at a time, against the trainer and
+    # nanoGPT
+    "host_levers_shapeA_1gpu": {"sides": ["ours", "nanogpt", "variant:masked_update",
+                                          "variant:linear_layout", "variant:inductor_tuned"],
+                                "shape": "A", "gpus": 1, "steps": 150, "skip_steps": 20,
+                                "log_every": 10, "timeout_s": 150, "budget_s": 520,
+                                "batch": {"micro_batch_size": 32}},
+    "host_levers_shapeB_1gpu": {"sides": ["ours", "nanogpt", "variant:compile_blocks",
+                                          "variant:masked_update", "variant:inductor_tuned"],
+                                "shape": "B", "gpus": 1, "steps": 30, "skip_steps": 10,
+                                "log_every": 5, "timeout_s": 150, "budget_s": 560,
+                                "batch": {"micro_batch_size": 32}},
     # CUDA graphs on shape A; on shape B: the blocks compiled one by one, and CUDA graphs
     "graphs_shapeA_1gpu": {"sides": ["ours", "variant:cuda_graphs"], "shape": "A", "gpus": 1,
                            "steps": 150, "skip_steps": 20, "log_every": 10, "timeout_s": 200,
@@ -390,6 +412,32 @@ VARIANTS = {
                      "            with setup.autocast:\n                logits = model("),
                     ("    optimizer.zero_grad(set_to_none=True)",
                      "    optimizer.zero_grad(set_to_none=False)")],
+    # a non-finite gradient skips the update inside the fused AdamW kernel (its found_inf), so the
+    # update is queued before the host reads the verdict, not after
+    "masked_update": [("    bad, stop, in_a_row = step_verdict(grad_norm, setup, run)  # every rank "
+                       "decides alike\n    if not bad:  # a non-finite gradient: no update on any "
+                       "rank; the data and schedule move on\n        optimizer.step()\n",
+                       "    optimizer.found_inf = grad_norm.isfinite().logical_not().float()\n"
+                       "    optimizer.step()\n"
+                       "    bad, stop, in_a_row = step_verdict(grad_norm, setup, run)\n")],
+    # GPT-2's Conv1D layers (x @ W) as nn.Linear (x @ W.T, nanoGPT's layout): other cuBLAS kernels
+    "linear_layout": [("    raw_model, attention = build_model(cfg, reader, meta, device)\n",
+                       "    raw_model, attention = build_model(cfg, reader, meta, device)\n"
+                       "    from transformers.pytorch_utils import Conv1D\n"
+                       "    for parent in list(raw_model.modules()):\n"
+                       "        for name, child in list(parent.named_children()):\n"
+                       "            if isinstance(child, Conv1D):\n"
+                       "                linear = torch.nn.Linear(*child.weight.shape)\n"
+                       "                linear.weight.data.copy_(child.weight.data.t())\n"
+                       "                linear.bias.data.copy_(child.bias.data)\n"
+                       "                setattr(parent, name, linear)\n")],
+    # fp8 for the MLP's layers alone: at width 1280 the attention's square projections may gain
+    # less than their casts cost
+    "fp8_mlp_only": [("module_filter_fn=lambda module, name: name in chosen)",
+                      "module_filter_fn=lambda module, name: name in chosen and '.mlp.' in name)")],
+    # torchao's rowwise recipe (a scale per row, not per tensor)
+    "fp8_rowwise": [("Float8LinearConfig.from_recipe_name(\"tensorwise\")",
+                     "Float8LinearConfig.from_recipe_name(\"rowwise\")")],
     # inductor tunes each generated kernel's launch parameters (a longer compile)
     "inductor_tuned": [("def main():\n", "def main():\n"
                         "    import torch._inductor.config as inductor_config\n"
