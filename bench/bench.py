@@ -1712,8 +1712,9 @@ def figures(stage_records):
                 "fraction of peak dense bf16 FLOP/s (train_ddp.py's table)",
                 nanogpt_label(ours) + ", MFU by our formula", theirs.get("mfu_by_our_formula"),
                 ours.get("command"), theirs.get("command"), ours)
-    for shape in ["A", "B"]:
-        sides = by_stage.get(f"same_micro_shape{shape}_1gpu", {})
+    for shape in ["A", "B"]:  # the trainer and nanoGPT both with micro-batches of 32
+        sides = (by_stage.get(f"same_micro_shape{shape}_1gpu")
+                 or by_stage.get(f"host_levers_shape{shape}_1gpu", {}))
         ours, theirs = sides.get("ours"), sides.get("nanogpt") or {}
         if ours:
             row(f"shape{shape}_1gpu_vs_nanogpt_same_micro_tokens_per_sec",
