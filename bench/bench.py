@@ -193,6 +193,12 @@ STAGES = {
     "graphs_shapeA_1gpu": {"sides": ["ours", "variant:cuda_graphs"], "shape": "A", "gpus": 1,
                            "steps": 150, "skip_steps": 20, "log_every": 10, "timeout_s": 200,
                            "batch": {"micro_batch_size": 32}},
+    # CUDA graphs with every gradient made before the first backward; and with the model and the
+    # loss in one graph
+    "graphs2_shapeA_1gpu": {"sides": ["ours", "nanogpt", "variant:cuda_graphs_grads_made",
+                                      "variant:cuda_graphs_one_graph"], "shape": "A", "gpus": 1,
+                            "steps": 150, "skip_steps": 20, "log_every": 10, "timeout_s": 150,
+                            "budget_s": 480, "batch": {"micro_batch_size": 32}},
     "levers_shapeB_1gpu": {"sides": ["ours", "variant:compile_blocks", "variant:cuda_graphs"],
                            "shape": "B", "gpus": 1, "steps": 30, "skip_steps": 10, "log_every": 5,
                            "timeout_s": 200, "budget_s": 270, "batch": {"micro_batch_size": 32}},
@@ -367,6 +373,18 @@ TINY_STEPS = {"steps": 12, "skip_steps": 4, "log_every": 2, "timeout_s": 240}
 
 # Variants of train_ddp.py: each is the trainer with one change, made by replacing text (so each
 # stays a single readable file); a replacement that no longer matches stops that side with an error.
+CUDA_GRAPHS = [("        return torch.compile(raw_model) if use_compile else raw_model, nothing\n",
+                "        return torch.compile(raw_model, mode=\"reduce-overhead\") "
+                "if use_compile else raw_model, nothing\n"),
+               ("            with setup.autocast:\n                logits = model(",
+                "            torch.compiler.cudagraph_mark_step_begin()\n"
+                "            with setup.autocast:\n                logits = model("),
+               ("    optimizer.zero_grad(set_to_none=True)",
+                "    optimizer.zero_grad(set_to_none=False)")]
+GRADS_MADE = ("    predicted = memory_prediction(raw_model, device)\n",
+              "    predicted = memory_prediction(raw_model, device)\n"
+              "    for parameter in raw_model.parameters():\n"
+              "        parameter.grad = torch.zeros_like(parameter)\n")
 VARIANTS = {
     "ddp_at_world_size_1": [("    if dist.get_world_size() == 1:\n        return torch.compile",
                              "    if False:\n        return torch.compile")],  # DDP on 1 process
@@ -403,41 +421,28 @@ VARIANTS = {
     # one process: the compiled model's graphs replayed as CUDA graphs (fewer kernel launches),
     # each forward starting a new step of CUDA graph trees, the gradients zeroed rather than freed.
     # Under torch 2.11 it stops in the first backward (bench/RESULTS.md, graphs_shapeA_1gpu)
-    "cuda_graphs": [("        return torch.compile(raw_model) if use_compile else raw_model, "
-                     "nothing\n",
-                     "        return torch.compile(raw_model, mode=\"reduce-overhead\") "
-                     "if use_compile else raw_model, nothing\n"),
-                    ("            with setup.autocast:\n                logits = model(",
-                     "            torch.compiler.cudagraph_mark_step_begin()\n"
-                     "            with setup.autocast:\n                logits = model("),
-                    ("    optimizer.zero_grad(set_to_none=True)",
-                     "    optimizer.zero_grad(set_to_none=False)")],
-    # a non-finite gradient skips the update inside the fused AdamW kernel (its found_inf), so the
-    # update is queued before the host reads the verdict, not after
-    "masked_update": [("    bad, stop, in_a_row = step_verdict(grad_norm, setup, run)  # every rank "
-                       "decides alike\n    if not bad:  # a non-finite gradient: no update on any "
-                       "rank; the data and schedule move on\n        optimizer.step()\n",
-                       "    optimizer.found_inf = grad_norm.isfinite().logical_not().float()\n"
-                       "    optimizer.step()\n"
-                       "    bad, stop, in_a_row = step_verdict(grad_norm, setup, run)\n")],
-    # GPT-2's Conv1D layers (x @ W) as nn.Linear (x @ W.T, nanoGPT's layout): other cuBLAS kernels
-    "linear_layout": [("    raw_model, attention = build_model(cfg, reader, meta, device)\n",
-                       "    raw_model, attention = build_model(cfg, reader, meta, device)\n"
-                       "    from transformers.pytorch_utils import Conv1D\n"
-                       "    for parent in list(raw_model.modules()):\n"
-                       "        for name, child in list(parent.named_children()):\n"
-                       "            if isinstance(child, Conv1D):\n"
-                       "                linear = torch.nn.Linear(*child.weight.shape)\n"
-                       "                linear.weight.data.copy_(child.weight.data.t())\n"
-                       "                linear.bias.data.copy_(child.bias.data)\n"
-                       "                setattr(parent, name, linear)\n")],
-    # fp8 for the MLP's layers alone: at width 1280 the attention's square projections may gain
-    # less than their casts cost
-    "fp8_mlp_only": [("module_filter_fn=lambda module, name: name in chosen)",
-                      "module_filter_fn=lambda module, name: name in chosen and '.mlp.' in name)")],
-    # torchao's rowwise recipe (a scale per row, not per tensor)
-    "fp8_rowwise": [("Float8LinearConfig.from_recipe_name(\"tensorwise\")",
-                     "Float8LinearConfig.from_recipe_name(\"rowwise\")")],
+    "cuda_graphs": CUDA_GRAPHS,
+    # the same with every gradient made before the first backward: a backward that finds no
+    # gradient keeps its output as the gradient, and that output is a CUDA graph's memory, which
+    # the next replay overwrites (pytorch#169545's failure)
+    "cuda_graphs_grads_made": [*CUDA_GRAPHS, GRADS_MADE],
+    # and the model and the loss in one graph, so the logits never leave it
+    "cuda_graphs_one_graph": [CUDA_GRAPHS[2], GRADS_MADE, (
+        "            with setup.autocast:\n"
+        "                logits = model(**batch[\"inputs\"]).logits\n"
+        "            micro_loss = setup.loss_of(logits, batch[\"labels\"])\n",
+        "            torch.compiler.cudagraph_mark_step_begin()\n"
+        "            micro_loss, logits = graphed_loss(setup, batch), None\n"), (
+        "\nif __name__ == \"__main__\":\n",
+        "\ndef graphed_loss(setup, batch):\n"
+        "    if not hasattr(graphed_loss, \"compiled\"):\n"
+        "        def model_loss(inputs, labels):\n"
+        "            with setup.autocast:\n"
+        "                logits = setup.raw_model(**inputs).logits\n"
+        "            return token_loss_sum(logits, labels)\n"
+        "        graphed_loss.compiled = torch.compile(model_loss, mode=\"reduce-overhead\")\n"
+        "    return graphed_loss.compiled(batch[\"inputs\"], batch[\"labels\"])\n"
+        "\n\nif __name__ == \"__main__\":\n")],
     # inductor tunes each generated kernel's launch parameters (a longer compile)
     "inductor_tuned": [("def main():\n", "def main():\n"
                         "    import torch._inductor.config as inductor_config\n"
