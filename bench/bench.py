@@ -193,9 +193,10 @@ STAGES = {
     "graphs_shapeA_1gpu": {"sides": ["ours", "variant:cuda_graphs"], "shape": "A", "gpus": 1,
                            "steps": 150, "skip_steps": 20, "log_every": 10, "timeout_s": 200,
                            "batch": {"micro_batch_size": 32}},
-    # CUDA graphs with every gradient made before the first backward; and with the model and the
-    # loss in one graph
-    "graphs2_shapeA_1gpu": {"sides": ["ours", "nanogpt", "variant:cuda_graphs_grads_made",
+    # CUDA graphs: the whole step captured by hand; torch.compile's with every gradient made
+    # before the first backward; and with the model and the loss in one graph
+    "graphs2_shapeA_1gpu": {"sides": ["ours", "nanogpt", "variant:cuda_graphs_captured",
+                                      "variant:cuda_graphs_grads_made",
                                       "variant:cuda_graphs_one_graph"], "shape": "A", "gpus": 1,
                             "steps": 150, "skip_steps": 20, "log_every": 10, "timeout_s": 150,
                             "budget_s": 480, "batch": {"micro_batch_size": 32}},
@@ -385,6 +386,86 @@ GRADS_MADE = ("    predicted = memory_prediction(raw_model, device)\n",
               "    predicted = memory_prediction(raw_model, device)\n"
               "    for parameter in raw_model.parameters():\n"
               "        parameter.grad = torch.zeros_like(parameter)\n")
+# A whole optimizer step captured by hand as one CUDA graph (one process, fixed shapes): from
+# the fourth step on, train_step copies the batch into the graph's input tensors and replays
+# forward, backward, clipping and the update. A non-finite gradient skips the update inside the
+# fused AdamW kernel (found_inf), so nothing in the graph waits for the host; the learning rate is
+# a tensor on the device that the scheduler fills. On a CPU the same step runs without a graph.
+CAPTURED_STEP = """
+def captured_step(model, batches, optimizer, scheduler, setup, run):
+    micro_batches, input_tokens, label_tokens, lengths = batches
+    held = captured_step.__dict__
+    if "step" not in held:
+        held["batches"] = micro_batches  # its tensors become the graph's inputs
+        held["scale"] = torch.zeros((), device=setup.device)
+        held["skip"] = torch.zeros((), device=setup.device)
+        trained = [p for p in setup.raw_model.parameters() if p.requires_grad]
+
+        def step():
+            held["loss_sum"] = torch.zeros((), device=setup.device, dtype=torch.float64)
+            for batch in held["batches"]:
+                with setup.autocast:
+                    logits = model(**batch["inputs"]).logits
+                micro_loss = setup.loss_of(logits, batch["labels"])
+                (micro_loss * held["scale"]).backward()
+                held["loss_sum"] += micro_loss.detach()
+            held["grad_norm"] = torch.nn.utils.clip_grad_norm_(
+                trained, setup.cfg.optim.grad_clip or float("inf"))
+            optimizer.found_inf = torch.maximum(
+                held["grad_norm"].isfinite().logical_not().float(), held["skip"])
+            optimizer.step()
+
+        held["step"] = step
+        if setup.device.type == "cuda":
+            held["skip"].fill_(1)  # a warm-up on a side stream that changes no weight
+            optimizer.zero_grad(set_to_none=True)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                step()
+            torch.cuda.current_stream().wait_stream(side)
+            held["skip"].fill_(0)
+            optimizer.zero_grad(set_to_none=True)  # the graph's backward makes them in its pool
+            held["graph"] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(held["graph"]):
+                step()
+    for static, batch in zip(held["batches"], micro_batches):
+        if static is not batch:
+            static["labels"].copy_(batch["labels"], non_blocking=True)
+            for key, value in batch["inputs"].items():
+                if value is not None:
+                    static["inputs"][key].copy_(value, non_blocking=True)
+    held["scale"].fill_(dist.get_world_size() / max(1, label_tokens))
+    if "graph" in held:
+        held["graph"].replay()
+    else:
+        optimizer.zero_grad(set_to_none=True)
+        held["step"]()
+    with setup.data_wait:
+        next_batches = step_batches(setup, run.position + setup.cfg.train.global_batch_size)
+    grad_norm = held["grad_norm"].clone()
+    bad, stop, in_a_row = step_verdict(grad_norm, setup, run)
+    lr = setup.cfg.optim.lr * lr_factor(run.step, setup.cfg)
+    scheduler.step()
+    return SimpleNamespace(loss_sum=held["loss_sum"].clone(), grad_norm=grad_norm, lr=lr,
+                           bad=bad, stop=stop, bad_in_a_row=in_a_row, input_tokens=input_tokens,
+                           label_tokens=label_tokens, lengths=lengths), next_batches
+
+
+if __name__ == "__main__":
+"""
+CAPTURED = [
+    ("    micro_batches, input_tokens, label_tokens, lengths = batches\n"
+     "    optimizer.zero_grad(set_to_none=True)",
+     "    if run.step >= 3:  # compiled, AdamW's state made: the rest replay one CUDA graph\n"
+     "        return captured_step(model, batches, optimizer, scheduler, setup, run)\n"
+     "    micro_batches, input_tokens, label_tokens, lengths = batches\n"
+     "    optimizer.zero_grad(set_to_none=True)"),
+    ("        lr=cfg.optim.lr, betas=",
+     "        lr=torch.tensor(cfg.optim.lr, device=trained[0].device), capturable=True, betas="),
+    ("    lr = optimizer.param_groups[0][\"lr\"]  # the rate",
+     "    lr = float(optimizer.param_groups[0][\"lr\"])  # the rate"),
+    ("\n\nif __name__ == \"__main__\":\n", CAPTURED_STEP)]
 VARIANTS = {
     "ddp_at_world_size_1": [("    if dist.get_world_size() == 1:\n        return torch.compile",
                              "    if False:\n        return torch.compile")],  # DDP on 1 process
@@ -443,6 +524,8 @@ VARIANTS = {
         "        graphed_loss.compiled = torch.compile(model_loss, mode=\"reduce-overhead\")\n"
         "    return graphed_loss.compiled(batch[\"inputs\"], batch[\"labels\"])\n"
         "\n\nif __name__ == \"__main__\":\n")],
+    # the whole step captured by hand as one CUDA graph (CAPTURED_STEP)
+    "cuda_graphs_captured": CAPTURED,
     # inductor tunes each generated kernel's launch parameters (a longer compile)
     "inductor_tuned": [("def main():\n", "def main():\n"
                         "    import torch._inductor.config as inductor_config\n"
