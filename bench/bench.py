@@ -503,9 +503,10 @@ VARIANTS = {
     # each forward starting a new step of CUDA graph trees, the gradients zeroed rather than freed.
     # Under torch 2.11 it stops in the first backward (bench/RESULTS.md, graphs_shapeA_1gpu)
     "cuda_graphs": CUDA_GRAPHS,
-    # the same with every gradient made before the first backward: a backward that finds no
-    # gradient keeps its output as the gradient, and that output is a CUDA graph's memory, which
-    # the next replay overwrites (pytorch#169545's failure)
+    # the same with every gradient made before the first backward. Where a weight has no gradient
+    # yet, autograd may keep the backward's output as the gradient without a copy (AccumulateGrad),
+    # and that output would be a CUDA graph's memory, which the next replay overwrites: a guess at
+    # the failure above (pytorch#169545), which this side tests
     "cuda_graphs_grads_made": [*CUDA_GRAPHS, GRADS_MADE],
     # and the model and the loss in one graph, so the logits never leave it
     "cuda_graphs_one_graph": [CUDA_GRAPHS[2], GRADS_MADE, (
