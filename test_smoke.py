@@ -5262,6 +5262,18 @@ def test_bench_variants_of_the_trainer_still_find_the_lines_they_replace():
             assert old in source, (name, old)
 
 
+def test_bench_stages_name_only_variants_and_config_sides_that_exist():
+    """A stage naming a variant that is gone fails that side on the GPU machine, a call late."""
+    bench = load_bench()
+    named = [(stage, side.split("#")[0].partition(":"))
+             for stage, settings in bench.STAGES.items() for side in settings["sides"]]
+    known = {"variant": {*bench.VARIANTS, *bench.VARIANT_FILES}, "config": set(bench.CONFIG_SIDES)}
+    missing = [(stage, f"{kind}:{name}") for stage, (kind, _, name) in named
+               if kind in known and name not in known[kind]]
+    assert not missing
+    assert len([1 for _, (kind, _, _) in named if kind == "variant"]) > 10  # the check saw them
+
+
 def test_bench_timm_flags_ask_for_vit_b16_as_ours_runs_it_and_resize_it_for_tiny():
     bench = load_bench()
     flags = bench.timm_flags(bench.VIT_SHAPE, bench.VIT_BATCH, steps=300, skip_steps=30, tiny=False)

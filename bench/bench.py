@@ -527,6 +527,34 @@ VARIANTS = {
         "\n\nif __name__ == \"__main__\":\n")],
     # the whole step captured by hand as one CUDA graph (CAPTURED_STEP)
     "cuda_graphs_captured": CAPTURED,
+    # a non-finite gradient skips the update inside the fused AdamW kernel (its found_inf), so the
+    # update is queued before the host reads the verdict, not after
+    "masked_update": [(
+        "    bad, stop, in_a_row = step_verdict(grad_norm, setup, run)  # every rank decides "
+        "alike\n    if not bad:  # a non-finite gradient: no update on any rank; the data and "
+        "schedule move on\n        optimizer.step()\n",
+        "    optimizer.found_inf = grad_norm.isfinite().logical_not().float()\n"
+        "    optimizer.step()\n"
+        "    bad, stop, in_a_row = step_verdict(grad_norm, setup, run)\n")],
+    # GPT-2's Conv1D layers (x @ W) as nn.Linear (x @ W.T, nanoGPT's layout): the matmuls' other
+    # transposition
+    "linear_layout": [("    raw_model, attention = build_model(cfg, reader, meta, device)\n",
+                       "    raw_model, attention = build_model(cfg, reader, meta, device)\n"
+                       "    from transformers.pytorch_utils import Conv1D\n"
+                       "    for parent in list(raw_model.modules()):\n"
+                       "        for name, child in list(parent.named_children()):\n"
+                       "            if isinstance(child, Conv1D):\n"
+                       "                linear = torch.nn.Linear(*child.weight.shape)\n"
+                       "                linear.weight.data.copy_(child.weight.data.t())\n"
+                       "                linear.bias.data.copy_(child.bias.data)\n"
+                       "                setattr(parent, name, linear)\n")],
+    # fp8 for the MLP's layers alone: at width 1280 the attention's square projections may gain
+    # less than their casts cost
+    "fp8_mlp_only": [("module_filter_fn=lambda module, name: name in chosen)",
+                      "module_filter_fn=lambda module, name: name in chosen and '.mlp.' in name)")],
+    # torchao's rowwise recipe (a scale per row, not per tensor)
+    "fp8_rowwise": [("Float8LinearConfig.from_recipe_name(\"tensorwise\")",
+                     "Float8LinearConfig.from_recipe_name(\"rowwise\")")],
     # inductor tunes each generated kernel's launch parameters (a longer compile)
     "inductor_tuned": [("def main():\n", "def main():\n"
                         "    import torch._inductor.config as inductor_config\n"
