@@ -2425,22 +2425,23 @@ if __name__ == "__main__":
     if ended := ended_attempt():  # this attempt is a restart after a stop or a mistake: end alike
         log0(ended["line"], file=sys.stderr)
         sys.exit(ended["code"])
+    code, line = 0, None
     try:
         try:
             main()
-            # the sharded model, freed after the group is gone, can deadlock in its destructor
-            gc.collect()
-            if dist.is_initialized():  # not with --check
-                dist.destroy_process_group()
+        except (UserError, Stopped) as ending:
+            finish_checkpoint()  # one being written in the background is published before we leave
+            code, line = (2, f"error: {ending}") if isinstance(ending, UserError) else (
+                EXIT_STOPPED, str(ending))
         finally:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)  # leaving: a SIGTERM ends us at once
-    except (UserError, Stopped) as ending:
-        finish_checkpoint()  # one being written in the background is published before we leave
-        code, line = (2, f"error: {ending}") if isinstance(ending, UserError) else (EXIT_STOPPED,
-                                                                                    str(ending))
-        log0(line, file=sys.stderr)  # every rank has the same ending: rank 0 says it
-        ended_attempt(code, line)
-        if dist.is_initialized():
+        # main()'s objects go first (an ending's traceback held them until here): the sharded
+        # model, freed after the group is gone, can deadlock in its destructor
+        gc.collect()
+        if line:  # every rank has the same ending: rank 0 says it
+            log0(line, file=sys.stderr)
+            ended_attempt(code, line)
+        if dist.is_initialized():  # not with --check
             dist.destroy_process_group()
         sys.exit(code)
     except (dist.DistError, RuntimeError) as error:
