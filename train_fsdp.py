@@ -2430,7 +2430,6 @@ if __name__ == "__main__":
         try:
             main()
         except (UserError, Stopped) as ending:
-            finish_checkpoint()  # one being written in the background is published before we leave
             code, line = (2, f"error: {ending}") if isinstance(ending, UserError) else (
                 EXIT_STOPPED, str(ending))
         finally:
@@ -2439,6 +2438,7 @@ if __name__ == "__main__":
         # model, freed after the group is gone, can deadlock in its destructor
         gc.collect()
         if line:  # every rank has the same ending: rank 0 says it
+            finish_checkpoint()  # one being written in the background is published before we leave
             log0(line, file=sys.stderr)
             ended_attempt(code, line)
         if dist.is_initialized():  # not with --check
