@@ -374,14 +374,19 @@ TINY_STEPS = {"steps": 12, "skip_steps": 4, "log_every": 2, "timeout_s": 240}
 
 # Variants of train_ddp.py: each is the trainer with one change, made by replacing text (so each
 # stays a single readable file); a replacement that no longer matches stops that side with an error.
-CUDA_GRAPHS = [("        return torch.compile(raw_model) if use_compile else raw_model, nothing\n",
-                "        return torch.compile(raw_model, mode=\"reduce-overhead\") "
-                "if use_compile else raw_model, nothing\n"),
-               ("            with setup.autocast:\n                logits = model(",
-                "            torch.compiler.cudagraph_mark_step_begin()\n"
-                "            with setup.autocast:\n                logits = model("),
-               ("    optimizer.zero_grad(set_to_none=True)",
-                "    optimizer.zero_grad(set_to_none=False)")]
+# Pieces the CUDA-graph variants below share: torch.compile's CUDA graphs for the model, a new
+# CUDA-graph step before each forward, the gradients zeroed in place rather than freed
+REDUCE_OVERHEAD = ("        return torch.compile(raw_model) if use_compile else raw_model, "
+                   "nothing\n",
+                   "        return torch.compile(raw_model, mode=\"reduce-overhead\") "
+                   "if use_compile else raw_model, nothing\n")
+MARK_STEP = ("            with setup.autocast:\n                logits = model(",
+             "            torch.compiler.cudagraph_mark_step_begin()\n"
+             "            with setup.autocast:\n                logits = model(")
+GRADS_ZEROED = ("    optimizer.zero_grad(set_to_none=True)",
+                "    optimizer.zero_grad(set_to_none=False)")
+CUDA_GRAPHS = [REDUCE_OVERHEAD, MARK_STEP, GRADS_ZEROED]
+# and every gradient made before the first backward
 GRADS_MADE = ("    predicted = memory_prediction(raw_model, device)\n",
               "    predicted = memory_prediction(raw_model, device)\n"
               "    for parameter in raw_model.parameters():\n"
@@ -509,7 +514,7 @@ VARIANTS = {
     # the failure above (pytorch#169545), which this side tests
     "cuda_graphs_grads_made": [*CUDA_GRAPHS, GRADS_MADE],
     # and the model and the loss in one graph, so the logits never leave it
-    "cuda_graphs_one_graph": [CUDA_GRAPHS[2], GRADS_MADE, (
+    "cuda_graphs_one_graph": [GRADS_ZEROED, GRADS_MADE, (
         "            with setup.autocast:\n"
         "                logits = model(**batch[\"inputs\"]).logits\n"
         "            micro_loss = setup.loss_of(logits, batch[\"labels\"])\n",
