@@ -200,6 +200,16 @@ STAGES = {
                                       "variant:cuda_graphs_one_graph"], "shape": "A", "gpus": 1,
                             "steps": 150, "skip_steps": 20, "log_every": 10, "timeout_s": 150,
                             "budget_s": 480, "batch": {"micro_batch_size": 32}},
+    # shape B: the captured step against the trainer and nanoGPT
+    "graphs2_shapeB_1gpu": {"sides": ["ours", "nanogpt", "variant:cuda_graphs_captured"],
+                            "shape": "B", "gpus": 1, "steps": 30, "skip_steps": 10,
+                            "log_every": 5, "timeout_s": 180, "budget_s": 560,
+                            "batch": {"micro_batch_size": 32}},
+    # micro-batches of 64 on both sides (one a step on one GPU), and the captured step with them
+    "micro64_shapeA_1gpu": {"sides": ["ours", "nanogpt", "variant:cuda_graphs_captured"],
+                            "shape": "A", "gpus": 1, "steps": 150, "skip_steps": 20,
+                            "log_every": 10, "timeout_s": 150, "budget_s": 450,
+                            "batch": {"micro_batch_size": 64}},
     "levers_shapeB_1gpu": {"sides": ["ours", "variant:compile_blocks", "variant:cuda_graphs"],
                            "shape": "B", "gpus": 1, "steps": 30, "skip_steps": 10, "log_every": 5,
                            "timeout_s": 200, "budget_s": 270, "batch": {"micro_batch_size": 32}},
