@@ -200,6 +200,15 @@ STAGES = {
                                       "variant:cuda_graphs_one_graph"], "shape": "A", "gpus": 1,
                             "steps": 150, "skip_steps": 20, "log_every": 10, "timeout_s": 150,
                             "budget_s": 480, "batch": {"micro_batch_size": 32}},
+    # inductor's options on shape B: each kernel's launch parameters tuned, matmuls autotuned
+    "inductor_shapeB_1gpu": {"sides": ["ours", "variant:inductor_tuned",
+                                       "variant:max_autotune_gemm"], "shape": "B", "gpus": 1,
+                             "steps": 30, "skip_steps": 10, "log_every": 5, "timeout_s": 280,
+                             "budget_s": 580, "batch": {"micro_batch_size": 32}},
+    "inductor_shapeA_1gpu": {"sides": ["ours", "variant:inductor_tuned",
+                                       "variant:max_autotune_gemm"], "shape": "A", "gpus": 1,
+                             "steps": 150, "skip_steps": 20, "log_every": 10, "timeout_s": 220,
+                             "budget_s": 580, "batch": {"micro_batch_size": 32}},
     # shape B: the captured step against the trainer and nanoGPT
     "graphs2_shapeB_1gpu": {"sides": ["ours", "nanogpt", "variant:cuda_graphs_captured"],
                             "shape": "B", "gpus": 1, "steps": 30, "skip_steps": 10,
@@ -574,6 +583,11 @@ VARIANTS = {
     "inductor_tuned": [("def main():\n", "def main():\n"
                         "    import torch._inductor.config as inductor_config\n"
                         "    inductor_config.coordinate_descent_tuning = True\n")],
+    # inductor benchmarks Triton matmul templates against cuBLAS for each matmul shape and keeps
+    # the faster (a longer compile); CUDA graphs stay off
+    "max_autotune_gemm": [("def main():\n", "def main():\n"
+                           "    import torch._inductor.config as inductor_config\n"
+                           "    inductor_config.max_autotune_gemm = True\n")],
     # SDPA through cuDNN's attention alone, not flash
     "sdpa_cudnn": [("def main():\n", "def main():\n"
                     "    torch.backends.cuda.enable_flash_sdp(False)\n"
