@@ -531,7 +531,8 @@ VARIANTS = {
     # the same with every gradient made before the first backward. Where a weight has no gradient
     # yet, autograd may keep the backward's output as the gradient without a copy (AccumulateGrad),
     # and that output would be a CUDA graph's memory, which the next replay overwrites: a guess at
-    # the failure above (pytorch#169545), which this side tests
+    # the failure above (pytorch#169545). With the gradients made it runs, slower than without
+    # CUDA graphs (bench/RESULTS.md, graphs2_shapeA_1gpu)
     "cuda_graphs_grads_made": [*CUDA_GRAPHS, GRADS_MADE],
     # and the model and the loss in one graph, so the logits never leave it
     "cuda_graphs_one_graph": [GRADS_ZEROED, GRADS_MADE, (
