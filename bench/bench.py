@@ -1814,6 +1814,10 @@ def losses(side, baseline):
             f"{number(baseline.get('loss_last'), 4)}")
 
 
+# stages that pair the trainer with nanoGPT, both with micro-batches of 32, by preference
+SAME_MICRO_STAGES = ["same_micro", "host_levers", "graphs2", "inductor"]
+
+
 def figures(stage_records):
     """One results.jsonl row per figure; ratio is always value / baseline_value."""
     by_stage = sides_by_stage(stage_records)
@@ -1865,8 +1869,8 @@ def figures(stage_records):
                 nanogpt_label(ours) + ", MFU by our formula", theirs.get("mfu_by_our_formula"),
                 ours.get("command"), theirs.get("command"), ours)
     for shape in ["A", "B"]:  # the trainer and nanoGPT both with micro-batches of 32
-        sides = (by_stage.get(f"same_micro_shape{shape}_1gpu")
-                 or by_stage.get(f"host_levers_shape{shape}_1gpu", {}))
+        sides = next((by_stage[f"{stage}_shape{shape}_1gpu"] for stage in SAME_MICRO_STAGES
+                      if "nanogpt" in by_stage.get(f"{stage}_shape{shape}_1gpu", {})), {})
         ours, theirs = sides.get("ours"), sides.get("nanogpt") or {}
         if ours:
             row(f"shape{shape}_1gpu_vs_nanogpt_same_micro_tokens_per_sec",
@@ -1879,6 +1883,13 @@ def figures(stage_records):
                 "fraction of peak dense bf16 FLOP/s (train_ddp.py's table), micro-batches of 32",
                 nanogpt_label(ours) + ", MFU by our formula", theirs.get("mfu_by_our_formula"),
                 ours.get("command"), theirs.get("command"), ours)
+    sides = by_stage.get("micro64_shapeA_1gpu", {})
+    ours, theirs = sides.get("ours"), sides.get("nanogpt") or {}
+    if ours:
+        row("shapeA_1gpu_vs_nanogpt_micro64_tokens_per_sec", ours.get("tokens_per_sec"),
+            "tokens/s (both with micro-batches of 64)",
+            nanogpt_label(ours) + ", micro-batches of 64",
+            theirs.get("tokens_per_sec"), ours.get("command"), theirs.get("command"), ours)
     for shape in ["A", "B"]:
         one, two = by_stage.get(f"shape{shape}_1gpu", {}), by_stage.get(f"shape{shape}_2gpu", {})
         if "config:micro32" in one and "config:micro32" in two:
