@@ -182,11 +182,13 @@ def main():
             report_memory(setup, run.step, optimizer, predicted)
         if run.step % cfg.log.every == 0 or last or result.stop:
             log_interval(interval, setup, run, result)
-        with interval.paused():  # validation and checkpoints are not training throughput
-            if (run.step % cfg.train.eval_every == 0 or last) and not result.stop:
+        validating = (run.step % cfg.train.eval_every == 0 or last) and not result.stop
+        saving = cfg.checkpoint.every and (run.step % cfg.checkpoint.every == 0 or last
+                                           or result.stop)
+        with interval.paused(validating or saving):  # not training throughput
+            if validating:
                 validate(model, val_data, setup, run.step)
-            if cfg.checkpoint.every and (run.step % cfg.checkpoint.every == 0 or last or
-                                         result.stop):
+            if saving:
                 save_checkpoint(setup, run, optimizer, scheduler, scaler)
         if result.stop:
             raise Stopped(stop_message(cfg, run.step))
@@ -1519,7 +1521,7 @@ def restore_rng(saved_states, rank, seed, step):
 # ----------------------------------------------------------------------------- 7. training loop
 
 class Interval:
-    """The log line's sums since the last one; its clock skips `with interval.paused():` spans."""
+    """The log line's sums since the last one; its clock skips validation and checkpoints."""
 
     def __init__(self, device):
         self.device = device
@@ -1541,8 +1543,8 @@ class Interval:
             self.label_tokens += result.label_tokens
 
     @contextlib.contextmanager
-    def paused(self):
-        if self.device.type == "cuda":
+    def paused(self, pausing):  # only a pause waits for the GPU: each wait idles it between steps
+        if pausing and self.device.type == "cuda":
             torch.cuda.synchronize()  # the step's own GPU work counts as training time
         start = time.perf_counter()
         yield
