@@ -10,7 +10,8 @@ any kernel (the union of kernel intervals: 1 - busy/wall is the time the GPU sat
 non-NCCL kernels, and the sum of NCCL kernel times (an NCCL kernel also runs while it waits for the
 other rank, so a large sum on one rank points at the other). Rank 0 also prints the top kernels and
 host calls, and (PROF_STACK=1) the operator chain above every cudaMemcpyAsync,
-cudaStreamSynchronize and cudaEventSynchronize, i.e. where the host waited for the GPU. CUDA only.
+cudaStreamSynchronize, cudaEventSynchronize and cudaDeviceSynchronize, i.e. where the host waited
+for the GPU. CUDA only.
 A tiered run (model.embedding_gpu_rows): rank 0 also prints one `HOST` line per TieredEmbedding
 method (stage, start_step, reduce_gradients, step, write_to_tables): its calls and host time in the
 window.
@@ -78,7 +79,8 @@ class Window:
         print(averages.table(sort_by="self_cpu_time_total", row_limit=15), flush=True)
         chains = collections.Counter()
         for event in events:
-            if event.name in ("cudaMemcpyAsync", "cudaStreamSynchronize", "cudaEventSynchronize"):
+            if event.name in ("cudaMemcpyAsync", "cudaStreamSynchronize", "cudaEventSynchronize",
+                              "cudaDeviceSynchronize"):
                 chain, parent = [], event.cpu_parent
                 while parent is not None and len(chain) < 7:
                     chain.append(parent.name[:60])
