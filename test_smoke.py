@@ -5276,8 +5276,10 @@ def test_bench_variants_of_the_trainer_still_find_the_lines_they_replace():
     for name, replacements in bench.VARIANTS.items():
         if name in bench.VARIANT_BASES:  # made from a folder outside the repository
             continue
-        for old, _ in replacements:
-            assert old in source, (name, old)
+        text = source
+        for old, new in replacements:  # in order, as bench.py applies them
+            assert old in text, (name, old)
+            text = text.replace(old, new)
 
 
 def test_bench_stages_name_only_variants_and_config_sides_that_exist():

@@ -210,6 +210,23 @@ STAGES = {
                                        "variant:captured_autotuned"], "shape": "A", "gpus": 1,
                              "steps": 150, "skip_steps": 20, "log_every": 10, "timeout_s": 200,
                              "budget_s": 580, "batch": {"micro_batch_size": 32}},
+    # the step's end: the trainer (waits for the GPU before validation and checkpoints only) against
+    # nanoGPT and against a wait after every step; the update masked in the fused kernel (queued
+    # before the verdict's read); the captured step with its verdict read a step late
+    "step_end_shapeA_1gpu": {"sides": ["ours", "nanogpt", "variant:sync_every_step",
+                                       "variant:masked_update", "variant:captured_ahead"],
+                             "shape": "A", "gpus": 1, "steps": 150, "skip_steps": 20,
+                             "log_every": 10, "timeout_s": 150, "budget_s": 520,
+                             "batch": {"micro_batch_size": 32}},
+    "step_end_shapeB_1gpu": {"sides": ["ours", "nanogpt", "variant:sync_every_step"],
+                             "shape": "B", "gpus": 1, "steps": 30, "skip_steps": 10,
+                             "log_every": 5, "timeout_s": 180, "budget_s": 540,
+                             "batch": {"micro_batch_size": 32}},
+    # the captured step, and the same with its verdict read a step late, against nanoGPT
+    "graphs3_shapeA_1gpu": {"sides": ["ours", "nanogpt", "variant:cuda_graphs_captured",
+                                      "variant:captured_ahead"], "shape": "A", "gpus": 1,
+                            "steps": 150, "skip_steps": 20, "log_every": 10, "timeout_s": 150,
+                            "budget_s": 480, "batch": {"micro_batch_size": 32}},
     # shape B: the captured step against the trainer and nanoGPT
     "graphs2_shapeB_1gpu": {"sides": ["ours", "nanogpt", "variant:cuda_graphs_captured"],
                             "shape": "B", "gpus": 1, "steps": 30, "skip_steps": 10,
@@ -491,6 +508,23 @@ CAPTURED = [
     ("    lr = optimizer.param_groups[0][\"lr\"]  # the rate",
      "    lr = float(optimizer.param_groups[0][\"lr\"])  # the rate"),
     ("\n\nif __name__ == \"__main__\":\n", CAPTURED_STEP)]
+# The captured step with its verdict read a step late: on one process the stop request is the
+# host's own and a non-finite gradient is already masked in the graph, so the host queues the next
+# step before it waits for this one, and the GPU need not wait for the host between steps. A bad
+# step is counted one step late (a clock, not the trainer's bookkeeping).
+CAPTURED_AHEAD = [*CAPTURED, (
+    "    bad, stop, in_a_row = step_verdict(grad_norm, setup, run)\n",  # captured_step's
+    "    if setup.device.type != \"cuda\":\n"
+    "        bad, stop, in_a_row = step_verdict(grad_norm, setup, run)\n"
+    "    else:\n"
+    "        if \"pending\" in held:  # the step before: done, while this one runs\n"
+    "            held[\"pending\"][0].synchronize()\n"
+    "            held[\"bad_before\"] = bool(held[\"pending\"][1])\n"
+    "        flag = grad_norm.isfinite().logical_not().to(\"cpu\", non_blocking=True)\n"
+    "        held[\"pending\"] = (torch.cuda.Event(), flag)\n"
+    "        held[\"pending\"][0].record()\n"
+    "        bad, stop = held.get(\"bad_before\", False), bool(setup.stop_requested)\n"
+    "        in_a_row = run.bad_in_a_row + 1 if bad else 0\n")]
 VARIANTS = {
     "ddp_at_world_size_1": [("    if dist.get_world_size() == 1:\n        return torch.compile",
                              "    if False:\n        return torch.compile")],  # DDP on 1 process
@@ -553,6 +587,11 @@ VARIANTS = {
         "\n\nif __name__ == \"__main__\":\n")],
     # the whole step captured by hand as one CUDA graph (CAPTURED_STEP)
     "cuda_graphs_captured": CAPTURED,
+    # and its verdict read a step late (CAPTURED_AHEAD)
+    "captured_ahead": CAPTURED_AHEAD,
+    # the host waits for the GPU after every step, not only before validation and checkpoints
+    "sync_every_step": [("        with interval.paused(validating or saving):",
+                         "        with interval.paused(True):")],
     # a non-finite gradient skips the update inside the fused AdamW kernel (its found_inf), so the
     # update is queued before the host reads the verdict, not after
     "masked_update": [(
@@ -1815,7 +1854,7 @@ def losses(side, baseline):
 
 
 # stages that pair the trainer with nanoGPT, both with micro-batches of 32, by preference
-SAME_MICRO_STAGES = ["same_micro", "host_levers", "graphs2", "inductor"]
+SAME_MICRO_STAGES = ["same_micro", "step_end", "host_levers", "graphs2", "inductor"]
 
 
 def figures(stage_records):
