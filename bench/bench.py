@@ -222,11 +222,6 @@ STAGES = {
                              "shape": "B", "gpus": 1, "steps": 30, "skip_steps": 10,
                              "log_every": 5, "timeout_s": 180, "budget_s": 540,
                              "batch": {"micro_batch_size": 32}},
-    # the captured step, and the same with its verdict read a step late, against nanoGPT
-    "graphs3_shapeA_1gpu": {"sides": ["ours", "nanogpt", "variant:cuda_graphs_captured",
-                                      "variant:captured_ahead"], "shape": "A", "gpus": 1,
-                            "steps": 150, "skip_steps": 20, "log_every": 10, "timeout_s": 150,
-                            "budget_s": 480, "batch": {"micro_batch_size": 32}},
     # shape B: the captured step against the trainer and nanoGPT
     "graphs2_shapeB_1gpu": {"sides": ["ours", "nanogpt", "variant:cuda_graphs_captured"],
                             "shape": "B", "gpus": 1, "steps": 30, "skip_steps": 10,
@@ -525,6 +520,10 @@ CAPTURED_AHEAD = [*CAPTURED, (
     "        held[\"pending\"][0].record()\n"
     "        bad, stop = held.get(\"bad_before\", False), bool(setup.stop_requested)\n"
     "        in_a_row = run.bad_in_a_row + 1 if bad else 0\n")]
+# inductor's matmul autotuning, for the variants that use it
+AUTOTUNE_GEMM = ("def main():\n", "def main():\n"
+                 "    import torch._inductor.config as inductor_config\n"
+                 "    inductor_config.max_autotune_gemm = True\n")
 VARIANTS = {
     "ddp_at_world_size_1": [("    if dist.get_world_size() == 1:\n        return torch.compile",
                              "    if False:\n        return torch.compile")],  # DDP on 1 process
@@ -626,13 +625,9 @@ VARIANTS = {
                         "    inductor_config.coordinate_descent_tuning = True\n")],
     # inductor benchmarks Triton matmul templates against cuBLAS for each matmul shape and keeps
     # the faster (a longer compile); CUDA graphs stay off
-    "max_autotune_gemm": [("def main():\n", "def main():\n"
-                           "    import torch._inductor.config as inductor_config\n"
-                           "    inductor_config.max_autotune_gemm = True\n")],
+    "max_autotune_gemm": [AUTOTUNE_GEMM],
     # both levers that might add up: the captured step with its matmuls autotuned
-    "captured_autotuned": [*CAPTURED, ("def main():\n", "def main():\n"
-                                       "    import torch._inductor.config as inductor_config\n"
-                                       "    inductor_config.max_autotune_gemm = True\n")],
+    "captured_autotuned": [*CAPTURED, AUTOTUNE_GEMM],
     # SDPA through cuDNN's attention alone, not flash
     "sdpa_cudnn": [("def main():\n", "def main():\n"
                     "    torch.backends.cuda.enable_flash_sdp(False)\n"
@@ -1853,7 +1848,7 @@ def losses(side, baseline):
             f"{number(baseline.get('loss_last'), 4)}")
 
 
-# stages that pair the trainer with nanoGPT, both with micro-batches of 32, by preference
+# stages that pair the trainer with nanoGPT, both with micro-batches of 32, the first found used
 SAME_MICRO_STAGES = ["same_micro", "step_end", "host_levers", "graphs2", "inductor"]
 
 
