@@ -4276,7 +4276,7 @@ def test_every_setting_a_trainer_does_not_read_is_refused_there_but_preprocess_s
 def test_the_loop_waits_for_the_gpu_only_before_a_pause(trainer, monkeypatch):
     """Interval.paused synchronizes the GPU before validation or a checkpoint, so their time leaves
     the clock, and not in other steps: a wait there would idle the GPU while the host starts the
-    next step. The clock counts both kinds of span as paused."""
+    next step."""
     module = importlib.import_module(trainer.removesuffix(".py"))
     waits = []
     monkeypatch.setattr(module.torch.cuda, "synchronize", lambda *args: waits.append(args))
