@@ -5175,6 +5175,32 @@ def test_bench_times_ours_against_the_reference_commit_and_the_late_verdict_agai
     assert batch["micro_batch_size"] == 32  # the trainer's default, not BATCH's 16
 
 
+def test_bench_sets_fp8_against_bf16_of_the_same_stage_for_speed_and_loss():
+    """Made-up figures, a different one per side and stage, so that a row built from the wrong
+    side or stage shows in its ratio."""
+    bench = load_bench()
+    common = {"date": "2026-12-01", "machine": "1 × GPU", "tiny": False}
+    figures = {  # (stage, side): (tokens/s, validation loss)
+        ("fp8_loss_llama1p3b_1gpu", "variant:compile_blocks#fp8"): (60.0, 4.04),
+        ("fp8_loss_llama1p3b_1gpu", "variant:compile_blocks"): (50.0, 4.00),
+        ("fp8_loss_shapeB_1gpu", "variant:compile_blocks#fp8"): (33.0, 4.5),
+        ("fp8_loss_shapeB_1gpu", "variant:compile_blocks"): (30.0, 5.0),
+        ("fp8_blocks_shapeB_1gpu", "variant:compile_blocks#fp8"): (88.0, None),
+        ("fp8_blocks_shapeB_1gpu", "variant:compile_blocks"): (80.0, None)}
+    stage_records = [{**common, "stage": stage, "side": side, "command": f"{stage} {side}",
+                      "tokens_per_sec": tps, "val_loss_last": loss}
+                     for (stage, side), (tps, loss) in figures.items()]
+    rows = {row["metric"]: row for row in bench.figures(stage_records)}
+    expected = {"fp8_vs_bf16_llama1p3b_global8_1gpu_tokens_per_sec": 1.2,
+                "fp8_vs_bf16_shapeB_global8_1gpu_tokens_per_sec": 1.1,
+                "fp8_vs_bf16_shapeB_blocks_1gpu_tokens_per_sec": 1.1,
+                "fp8_vs_bf16_llama1p3b_loss_ratio": 1.01,
+                "fp8_vs_bf16_shapeB_loss_ratio": 0.9}
+    assert {metric: rows[metric]["ratio"] for metric in expected} == pytest.approx(expected)
+    assert rows["fp8_vs_bf16_shapeB_loss_ratio"]["baseline_command"] == \
+        "fp8_loss_shapeB_1gpu variant:compile_blocks"
+
+
 def test_bench_variant_made_from_a_kept_folder_replaces_its_text_or_says_what_no_longer_matches(
         tmp_path, monkeypatch):
     bench = load_bench()

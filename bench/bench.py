@@ -136,6 +136,11 @@ STAGES = {
                                         log_every=25, timeout_s=280, budget_s=560,
                                         batch={"micro_batch_size": 8, "global_batch_size": 8},
                                         extra=["train.eval_batches=4"]),
+    # the same for shape B's Llama
+    "fp8_loss_shapeB_1gpu": fp8_pair("compile_blocks", "B", steps=300, skip_steps=20, log_every=25,
+                                     timeout_s=280, budget_s=560,
+                                     batch={"micro_batch_size": 8, "global_batch_size": 8},
+                                     extra=["train.eval_batches=4"]),
     # shape B's Llama, both sides' blocks compiled one by one (fp8's as the trainer does it)
     "fp8_blocks_shapeB_1gpu": fp8_pair("compile_blocks", "B", steps=40, skip_steps=10,
                                        log_every=5, timeout_s=220, budget_s=440),
@@ -1968,6 +1973,8 @@ def figures(stage_records):
              ("variant:fp8_eager#fp8", "variant:fp8_eager")),
             ("fp8_loss_llama1p3b_1gpu", "llama1p3b_global8",
              ("variant:compile_blocks#fp8", "variant:compile_blocks")),
+            ("fp8_loss_shapeB_1gpu", "shapeB_global8",
+             ("variant:compile_blocks#fp8", "variant:compile_blocks")),
             ("fp8_blocks_shapeB_1gpu", "shapeB_blocks",
              ("variant:compile_blocks#fp8", "variant:compile_blocks"))]:
         stage = by_stage.get(name, {})
@@ -1980,15 +1987,16 @@ def figures(stage_records):
                      f"loss at the last step fp8 {fp8.get('loss_last')}, bf16 "
                      f"{bf16.get('loss_last')}; MFU (against the bf16 peak) fp8 {fp8.get('mfu')}, "
                      f"bf16 {bf16.get('mfu')}")
-    losses = by_stage.get("fp8_loss_llama1p3b_1gpu", {})
-    fp8 = losses.get("variant:compile_blocks#fp8") or {}
-    bf16 = losses.get("variant:compile_blocks") or {}
-    if fp8.get("val_loss_last") and bf16.get("val_loss_last"):
-        row("fp8_vs_bf16_llama1p3b_loss_ratio", fp8["val_loss_last"], "validation loss after 300 "
-            "steps (data/stdlib, the whole validation split)", "the same model in bf16, same call",
-            bf16["val_loss_last"], fp8.get("command"), bf16.get("command"), fp8,
-            note=f"last logged training loss fp8 {fp8.get('loss_last')}, bf16 "
-                 f"{bf16.get('loss_last')}")
+    for label in ["llama1p3b", "shapeB"]:
+        losses = by_stage.get(f"fp8_loss_{label}_1gpu", {})
+        fp8 = losses.get("variant:compile_blocks#fp8") or {}
+        bf16 = losses.get("variant:compile_blocks") or {}
+        if fp8.get("val_loss_last") and bf16.get("val_loss_last"):
+            row(f"fp8_vs_bf16_{label}_loss_ratio", fp8["val_loss_last"], "validation loss after "
+                "300 steps (data/stdlib, the whole validation split)",
+                "the same model in bf16, same call", bf16["val_loss_last"], fp8.get("command"),
+                bf16.get("command"), fp8, note=f"last logged training loss fp8 "
+                f"{fp8.get('loss_last')}, bf16 {bf16.get('loss_last')}")
     big = by_stage.get("fsdp_12b_2gpu", {}).get("ours_fsdp")
     if big:
         row("fsdp_12b_2gpu_tokens_per_sec", big.get("tokens_per_sec"), "tokens/s", None, None,
