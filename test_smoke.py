@@ -5308,6 +5308,28 @@ def test_bench_variants_of_the_trainer_still_find_the_lines_they_replace():
             text = text.replace(old, new)
 
 
+def test_profile_steps_hooks_into_both_trainers_the_captured_variant_and_nanogpts_loop():
+    """A profile whose hook no longer finds its line stops on the GPU machine, a call late."""
+    spec = importlib.util.spec_from_file_location("profile_steps",
+                                                  REPO / "bench" / "profile_steps.py")
+    profile_steps = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(profile_steps)
+    bench = load_bench()
+    captured = (REPO / "train_ddp.py").read_text()
+    for old, new in bench.VARIANTS["captured_ahead"]:
+        captured = captured.replace(old, new)
+    for text in [(REPO / "train_ddp.py").read_text(), (REPO / "train_fsdp.py").read_text(),
+                 captured]:
+        hooked = profile_steps.instrument(text, nanogpt=False)
+        assert hooked.count("Window.shared.at(run.step, rank)") == 1
+        assert hooked.count("label_methods(globals())") == 1
+    loop = "while True:\n\n    # determine and set the learning rate for this iteration\n" \
+        + profile_steps.NANOGPT_ANCHOR  # nanoGPT train.py's loop, as of 3adf61e
+    assert "Window.shared.at(iter_num, 0)\n" + profile_steps.NANOGPT_ANCHOR in \
+        profile_steps.instrument(loop, nanogpt=True)
+    assert profile_steps.instrument("while True:\n    pass\n", nanogpt=True) is None
+
+
 def test_bench_stages_name_only_variants_and_config_sides_that_exist():
     """A stage naming a variant that is gone fails that side on the GPU machine, a call late."""
     bench = load_bench()

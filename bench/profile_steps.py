@@ -2,10 +2,13 @@
 train_fsdp.py.
 
     python3 bench/profile_steps.py train_fsdp.py NAME FIRST LAST -- --nproc_per_node 2 SCRIPT k=v
+    python3 bench/profile_steps.py .baselines/nanoGPT/train.py NAME FIRST LAST -- --n_layer=12 ...
 
 Writes a copy of the trainer to .baselines/prof/NAME/ (ignored by git) with a profiler window over
 the steps after FIRST up to LAST, then runs it with torchrun (the arguments after `--`; SCRIPT
-stands for the copy). Each rank prints one `PROF` line: the window's wall time, how long the GPU ran
+stands for the copy). nanoGPT's train.py (the same window, its iterations counted from 0) runs
+with python3 in its own folder, the arguments after `--` its own: one process, as bench.py runs it.
+Each rank prints one `PROF` line: the window's wall time, how long the GPU ran
 any kernel (the union of kernel intervals: 1 - busy/wall is the time the GPU sat idle), the union of
 non-NCCL kernels, and the sum of NCCL kernel times (an NCCL kernel also runs while it waits for the
 other rank, so a large sum on one rank points at the other). Rank 0 also prints the top kernels and
@@ -28,6 +31,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 ANCHOR = ("        result, batches = train_step(model, batches, optimizer, scheduler, scaler, "
           "setup, run)\n")
+NANOGPT_ANCHOR = "    lr = get_lr(iter_num) if decay_lr else learning_rate\n"  # loop's first
 
 
 class Window:
@@ -106,28 +110,45 @@ def label_methods(namespace):
             setattr(tiered_class, name, labelled(f"TieredEmbedding.{name}", method))
 
 
-def main():
-    script, name, first, last = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-    torchrun_args = sys.argv[sys.argv.index("--") + 1:]
-    text = (REPO / script).read_text()
-    if ANCHOR not in text:
-        sys.exit(f"error: {script} no longer has the line this script hooks into -> update ANCHOR")
-    hook = ("        __import__('profile_steps').Window.shared.at(run.step, rank)\n")
-    text = text.replace(ANCHOR, ANCHOR + hook)
-    text = text.replace('\nif __name__ == "__main__":\n',
+def instrument(text, nanogpt):
+    """The trainer's text with the window's hook in its loop; None where its line moved."""
+    anchor = NANOGPT_ANCHOR if nanogpt else ANCHOR
+    if anchor not in text:
+        return None
+    if nanogpt:  # before the iteration: iter_num iterations done
+        hook = "    __import__('profile_steps').Window.shared.at(iter_num, 0)\n"
+        return text.replace(anchor, hook + anchor)
+    text = text.replace(anchor, anchor + "        __import__('profile_steps').Window.shared.at("
+                        "run.step, rank)\n")
+    return text.replace('\nif __name__ == "__main__":\n',
                         '\n__import__("profile_steps").label_methods(globals())\n\n'
                         'if __name__ == "__main__":\n', 1)
+
+
+def main():
+    script, name, first, last = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    args = sys.argv[sys.argv.index("--") + 1:]
+    nanogpt = (REPO / script).parent.joinpath("model.py").exists() and script.name == "train.py"
+    text = instrument((REPO / script).read_text(), nanogpt)
+    if text is None:
+        sys.exit(f"error: {script} no longer has the line this script hooks into -> update "
+                 f"{'NANOGPT_ANCHOR' if nanogpt else 'ANCHOR'}")
     copy_dir = REPO / ".baselines" / "prof" / name
     copy_dir.mkdir(parents=True, exist_ok=True)
-    (copy_dir / script).write_text(text)
-    (copy_dir / "config.yaml").write_text((REPO / "config.yaml").read_text())
-    where = torchrun_args.index("SCRIPT")
-    command = ["torchrun", *torchrun_args[:where], str(copy_dir / script),
-               *torchrun_args[where + 1:]]
-    env = {**os.environ, "PYTHONPATH": f"{REPO / 'bench'}:{os.environ.get('PYTHONPATH', '')}",
-           "PROF_WINDOW": f"{name}:{first}:{last}"}
+    (copy_dir / script.name).write_text(text)
+    paths = [REPO / "bench"]
+    if nanogpt:  # its folder: configurator.py is read from there, model.py imported
+        cwd = (REPO / script).parent
+        command, paths = [sys.executable, str(copy_dir / script.name), *args], paths + [cwd]
+    else:
+        cwd = REPO
+        (copy_dir / "config.yaml").write_text((REPO / "config.yaml").read_text())
+        where = args.index("SCRIPT")
+        command = ["torchrun", *args[:where], str(copy_dir / script.name), *args[where + 1:]]
+    pythonpath = ":".join([*map(str, paths), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONPATH": pythonpath, "PROF_WINDOW": f"{name}:{first}:{last}"}
     print(" ".join(command), flush=True)
-    sys.exit(subprocess.call(command, cwd=REPO, env=env))
+    sys.exit(subprocess.call(command, cwd=cwd, env=env))
 
 
 if "PROF_WINDOW" in os.environ:  # imported by the trainer's copy
