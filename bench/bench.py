@@ -144,6 +144,10 @@ STAGES = {
     # shape B's Llama, both sides' blocks compiled one by one (fp8's as the trainer does it)
     "fp8_blocks_shapeB_1gpu": fp8_pair("compile_blocks", "B", steps=40, skip_steps=10,
                                        log_every=5, timeout_s=220, budget_s=440),
+    # the same with micro-batches of 32 (2 a step): larger matmuls for float8's casts to pay for
+    "fp8_micro32_shapeB_1gpu": fp8_pair("compile_blocks", "B", steps=40, skip_steps=10,
+                                        log_every=5, timeout_s=220, budget_s=440,
+                                        batch={"micro_batch_size": 32}),
     # shape B's Llama, every side's blocks compiled one by one: bf16, fp8 as the trainer does it,
     # fp8 for the MLP alone, fp8 rowwise
     "fp8_levers_shapeB_1gpu": {"sides": ["variant:compile_blocks", "variant:compile_blocks#fp8",
@@ -1976,6 +1980,8 @@ def figures(stage_records):
             ("fp8_loss_shapeB_1gpu", "shapeB_global8",
              ("variant:compile_blocks#fp8", "variant:compile_blocks")),
             ("fp8_blocks_shapeB_1gpu", "shapeB_blocks",
+             ("variant:compile_blocks#fp8", "variant:compile_blocks")),
+            ("fp8_micro32_shapeB_1gpu", "shapeB_micro32",
              ("variant:compile_blocks#fp8", "variant:compile_blocks"))]:
         stage = by_stage.get(name, {})
         fp8, bf16 = stage.get(sides[0]), stage.get(sides[1]) or {}
