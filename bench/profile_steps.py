@@ -10,8 +10,9 @@ stands for the copy). nanoGPT's train.py (the same window, its iterations counte
 with python3 in its own folder, the arguments after `--` its own: one process, as bench.py runs it.
 Each rank prints one `PROF` line: the window's wall time, how long the GPU ran
 any kernel (the union of kernel intervals: 1 - busy/wall is the time the GPU sat idle), the union of
-non-NCCL kernels, and the sum of NCCL kernel times (an NCCL kernel also runs while it waits for the
-other rank, so a large sum on one rank points at the other). Rank 0 also prints the top kernels and
+non-NCCL kernels, the sum of NCCL kernel times (an NCCL kernel also runs while it waits for the
+other rank, so a large sum on one rank points at the other) and the count of GPU activities
+(kernels, copies and memsets). Rank 0 also prints the top kernels and
 host calls, and (PROF_STACK=1) the operator chain above every cudaMemcpyAsync,
 cudaStreamSynchronize, cudaEventSynchronize and cudaDeviceSynchronize, i.e. where the host waited
 for the GPU. CUDA only.
@@ -70,8 +71,8 @@ class Window:
                 compute, compute_end = compute + end - max(start, compute_end), end
         print(f"PROF rank {rank} {self.name}: wall {wall * 1e3:.1f} ms for "
               f"{self.last - self.first} steps, GPU busy (any kernel) {busy / 1e3:.1f} ms, "
-              f"compute-kernel union {compute / 1e3:.1f} ms, nccl kernel sum {nccl / 1e3:.1f} ms",
-              flush=True)
+              f"compute-kernel union {compute / 1e3:.1f} ms, nccl kernel sum {nccl / 1e3:.1f} ms, "
+              f"{len(kernels)} GPU activities", flush=True)
         if rank != 0:
             return
         averages = self.profile.key_averages()
