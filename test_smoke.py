@@ -168,6 +168,8 @@ class Ranks:
         self.pids = [self.fork(rank, nproc, port, env_extra or {}) for rank in range(nproc)]
 
     def fork(self, rank, nproc, port, env_extra):
+        for name in ["out", "err"]:  # before the child runs: output() may read them at once
+            (self.logs / f"{rank}.{name}").touch()
         pid = os.fork()
         if pid:
             return pid
