@@ -529,10 +529,15 @@ CAPTURED_AHEAD = [*CAPTURED, (
     "        held[\"pending\"][0].record()\n"
     "        bad, stop = held.get(\"bad_before\", False), bool(setup.stop_requested)\n"
     "        in_a_row = run.bad_in_a_row + 1 if bad else 0\n")]
-# inductor's matmul autotuning, for the variants that use it
-AUTOTUNE_GEMM = ("def main():\n", "def main():\n"
-                 "    import torch._inductor.config as inductor_config\n"
-                 "    inductor_config.max_autotune_gemm = True\n")
+
+
+def inductor_option(name):
+    """The replacement that turns on one of inductor's options at the start of main()."""
+    return ("def main():\n", "def main():\n    import torch._inductor.config as inductor_config\n"
+            f"    inductor_config.{name} = True\n")
+
+
+AUTOTUNE_GEMM = inductor_option("max_autotune_gemm")  # for the variants that use it
 VARIANTS = {
     "ddp_at_world_size_1": [("    if dist.get_world_size() == 1:\n        return torch.compile",
                              "    if False:\n        return torch.compile")],  # DDP on 1 process
@@ -629,9 +634,7 @@ VARIANTS = {
     "fp8_rowwise": [("Float8LinearConfig.from_recipe_name(\"tensorwise\")",
                      "Float8LinearConfig.from_recipe_name(\"rowwise\")")],
     # inductor tunes each generated kernel's launch parameters (a longer compile)
-    "inductor_tuned": [("def main():\n", "def main():\n"
-                        "    import torch._inductor.config as inductor_config\n"
-                        "    inductor_config.coordinate_descent_tuning = True\n")],
+    "inductor_tuned": [inductor_option("coordinate_descent_tuning")],
     # inductor benchmarks Triton matmul templates against cuBLAS for each matmul shape and keeps
     # the faster (a longer compile); CUDA graphs stay off
     "max_autotune_gemm": [AUTOTUNE_GEMM],
