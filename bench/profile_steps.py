@@ -8,16 +8,15 @@ Writes a copy of the trainer to .baselines/prof/NAME/ (ignored by git) with a pr
 the steps after FIRST up to LAST, then runs it with torchrun (the arguments after `--`; SCRIPT
 stands for the copy). nanoGPT's train.py (the same window, its iterations counted from 0) runs
 with python3 in its own folder, the arguments after `--` its own: one process, as bench.py runs it.
-Each rank prints one `PROF` line: the window's wall time, how long the GPU ran
-any kernel (the union of kernel intervals: 1 - busy/wall is the time the GPU sat idle), the union of
-non-NCCL kernels, the sum of NCCL kernel times (an NCCL kernel also runs while it waits for the
-other rank, so a large sum on one rank points at the other) and the count of GPU activities
-(kernels, copies and memsets). Rank 0 also prints the top kernels and
-host calls, and (PROF_STACK=1) the operator chain above every cudaMemcpyAsync,
-cudaStreamSynchronize, cudaEventSynchronize and cudaDeviceSynchronize, i.e. where the host waited
-for the GPU. CUDA only.
+Each rank prints one `PROF` line: the window's wall time, how long the GPU ran any kernel (the
+union of kernel intervals: 1 - busy/wall is the time the GPU sat idle), the union of non-NCCL
+kernels, the sum of NCCL kernel times (an NCCL kernel also runs while it waits for the other rank,
+so a large sum on one rank points at the other) and the count of GPU activities (kernels, copies
+and memsets). Rank 0 also prints the top kernels and host calls, and (PROF_STACK=1) the operator
+chain above every cudaMemcpyAsync, cudaStreamSynchronize, cudaEventSynchronize and
+cudaDeviceSynchronize, i.e. where the host waited for the GPU. CUDA only.
 A tiered run (model.embedding_gpu_rows): rank 0 also prints one `HOST` line per TieredEmbedding
-method (stage, start_step, reduce_gradients, step, write_to_tables): its calls and host time in the
+method (stage, start_step, gradient_ready, step, write_to_tables): its calls and host time in the
 window.
 """
 import collections
