@@ -405,7 +405,7 @@ hold_back_torchruns_traceback() {
     fi
     held+=("$line")
     case "$line" in
-      "Traceback (most recent call last):" | " "*) ;;
+      "Traceback (most recent call last):" | " "* | "") ;;  # a signal's frame may print a blank line
       *.ChildFailedError:* | *.SignalException:*)
         { printf '%s\n' "${held[@]}"; cat; } >"$HELD_BACK"
         return ;;

@@ -4744,6 +4744,30 @@ def test_a_rank_that_says_why_in_one_line_ends_without_torchruns_traceback_a_cra
                                  "stop": "stopped at step 5 by a stop signal"}[ending]), stderr
 
 
+@pytest.mark.parametrize("exception", ["torch.distributed.elastic.multiprocessing.api."
+                                       "SignalException: Process 9 got signal: 15",
+                                       "ValueError: a bug"])
+def test_torchruns_own_traceback_is_held_back_whole_even_with_a_blank_line_in_it(tmp_path,
+                                                                                exception):
+    """A signal that lands on a `def` line prints a blank line inside torchrun's traceback; the
+    filter holds back the whole traceback all the same, and passes any other one on unchanged."""
+    launch = (REPO / "launch.sh").read_text()
+    function = re.search(r"^hold_back_torchruns_traceback\(\) \{\n.*?^\}\n", launch,
+                         re.MULTILINE | re.DOTALL).group(0)
+    traceback = ["Traceback (most recent call last):", '  File "api.py", line 91, in wait',
+                 "    def num_nodes_waiting(self):", "", '  File "api.py", line 86, in handler',
+                 "    raise SignalException()", exception]
+    stream = "\n".join(["[default0]:stopped at step 5", *traceback, "after"]) + "\n"
+    held = tmp_path / "held.log"
+    script = f"{function}HELD_BACK={held}\nhold_back_torchruns_traceback"
+    result = subprocess.run(["bash", "-c", script], input=stream, capture_output=True, text=True,
+                            timeout=60)
+    if exception.startswith("torch."):
+        assert result.stdout == "[default0]:stopped at step 5\n", result.stdout
+        assert held.read_text() == "\n".join([*traceback, "after"]) + "\n"
+    else:
+        assert result.stdout == stream and not held.exists(), result.stdout
+
 def test_launch_prepares_the_default_data_however_the_config_names_it_and_no_other(tmp_path):
     """The digits are prepared for data.dir=data/digits as for data.dir left at its default; the
     launch then stops at the next check (a checkpoint.dir below a file), before any process."""
