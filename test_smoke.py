@@ -1670,6 +1670,10 @@ def test_a_vit_on_the_digits_takes_the_gpu_preset_and_on_other_images_the_defaul
     (["train.precision=fp4"], ["train.precision=fp4 is not one of"]),
     (["max_steps"], ["is not key=value"]),
     (["train.micro_batch_size=0"], ["train.micro_batch_size=0 is out of range", "at least 1"]),
+    (["optim.eps=.inf"], ["optim.eps=inf is not a finite number"]),  # AdamW would never step
+    (["optim.lr=1e999"], ["optim.lr=inf is not a finite number"]),
+    (["checkpoint.dir="], ["checkpoint.dir is empty -> give a path"]),  # not the current folder
+    (["out_dir="], ["out_dir is empty"]),
 ])
 def test_bad_override_is_one_line_error(override, fragments):
     if override == ["train.max_step=5"]:  # one through a real process: the error line and exit code
@@ -3222,8 +3226,10 @@ def test_mfu_peak_is_looked_up_by_exact_gpu_name_only(monkeypatch):
                            ("NVIDIA H100 NVL", None), ("NVIDIA RTX A1000", None)]:
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, value=name: value)
         assert train_ddp.peak_flops_per_gpu(gpu, peak_tflops=0) == expected, name
-    # log.peak_tflops names any GPU
+    # log.peak_tflops names any GPU, with a datasheet's fraction (an RTX 4090: 165.2)
     assert train_ddp.peak_flops_per_gpu(gpu, peak_tflops=100) == 100e12
+    peak = train_ddp.load_config(["log.peak_tflops=165.2"], use_cuda=True).log.peak_tflops
+    assert train_ddp.peak_flops_per_gpu(gpu, peak) == pytest.approx(165.2e12)
     assert train_ddp.peak_flops_per_gpu(torch.device("cpu"), peak_tflops=0) is None
 
 

@@ -705,8 +705,8 @@ DEFAULTS = {
     "optim": dict(lr=6e-4, min_lr=6e-5, warmup_steps=50, weight_decay=0.1, beta1=0.9, beta2=0.95,
                   eps=1e-8, grad_clip=1.0),
     "checkpoint": dict(dir="out/checkpoints", every=100, keep=2, resume="auto", async_save=False),
-    "log": dict(every=10, sample_prompt="def ", sample_tokens=64, peak_tflops=0, tensorboard=True,
-                prometheus_port=0, gpu_util=True),
+    "log": dict(every=10, sample_prompt="def ", sample_tokens=64, peak_tflops=0.0,
+                tensorboard=True, prometheus_port=0, gpu_util=True),
     "fsdp": dict(reshard_after_forward=True, activation_checkpointing=False, cpu_offload=False),
     "dist": dict(backend="auto", timeout_s=600, reducer="torch", bucket_mb=25.0,
                  grad_compression="none"),
@@ -871,8 +871,12 @@ def typed(flat, key, value, where):
         fix = f"put it in quotes: \"{value}\"" if isinstance(default, str) else \
             f"give a value like {key}={default}"
         die(f"{key}={value}{where} is not a {kind} -> {fix}")
+    if isinstance(value, float) and not math.isfinite(value):  # YAML reads .inf, and 1e999 too
+        die(f"{key}={value}{where} is not a finite number -> give one like {key}={default}")
     if key in CHOICES and value not in CHOICES[key]:
         die(f"{key}={value} is not one of {'|'.join(CHOICES[key])} -> pick one of those")
+    if key in PATH_KEYS and default and not value:  # an empty path would mean the current folder
+        die(f"{key} is empty{where} -> give a path, like {key}={default}")
     return os.path.expanduser(value) if key in PATH_KEYS else value
 
 
