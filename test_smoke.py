@@ -5220,7 +5220,9 @@ def test_bench_sets_fp8_against_bf16_of_the_same_stage_for_speed_and_loss():
         ("fp8_blocks_shapeB_1gpu", "variant:compile_blocks#fp8"): (88.0, None),
         ("fp8_blocks_shapeB_1gpu", "variant:compile_blocks"): (80.0, None),
         ("fp8_micro32_shapeB_1gpu", "variant:compile_blocks#fp8"): (75.0, None),
-        ("fp8_micro32_shapeB_1gpu", "variant:compile_blocks"): (100.0, None)}
+        ("fp8_micro32_shapeB_1gpu", "variant:compile_blocks"): (100.0, None),
+        ("fp8_whole_shapeB_1gpu", "variant:fp8_whole#fp8"): (96.0, None),
+        ("fp8_whole_shapeB_1gpu", "variant:fp8_whole"): (80.0, None)}
     stage_records = [{**common, "stage": stage, "side": side, "command": f"{stage} {side}",
                       "tokens_per_sec": tps, "val_loss_last": loss}
                      for (stage, side), (tps, loss) in figures.items()]
@@ -5229,6 +5231,7 @@ def test_bench_sets_fp8_against_bf16_of_the_same_stage_for_speed_and_loss():
                 "fp8_vs_bf16_shapeB_global8_1gpu_tokens_per_sec": 1.1,
                 "fp8_vs_bf16_shapeB_blocks_1gpu_tokens_per_sec": 1.1,
                 "fp8_vs_bf16_shapeB_micro32_1gpu_tokens_per_sec": 0.75,
+                "fp8_vs_bf16_shapeB_whole_1gpu_tokens_per_sec": 1.2,
                 "fp8_vs_bf16_llama1p3b_loss_ratio": 1.01,
                 "fp8_vs_bf16_shapeB_loss_ratio": 0.9}
     assert {metric: rows[metric]["ratio"] for metric in expected} == pytest.approx(expected)

@@ -148,6 +148,10 @@ STAGES = {
     "fp8_micro32_shapeB_1gpu": fp8_pair("compile_blocks", "B", steps=40, skip_steps=10,
                                         log_every=5, timeout_s=220, budget_s=440,
                                         batch={"micro_batch_size": 32}),
+    # shape B's Llama with the whole model compiled on both sides (fp8_whole): fp8's graph spans
+    # the blocks, as in a plain compiled loop, at the cost of a longer compile
+    "fp8_whole_shapeB_1gpu": fp8_pair("fp8_whole", "B", steps=30, skip_steps=10, log_every=5,
+                                      timeout_s=400, budget_s=560),
     # shape B's Llama, every side's blocks compiled one by one: bf16, fp8 as the trainer does it,
     # fp8 for the MLP alone, fp8 rowwise
     "fp8_levers_shapeB_1gpu": {"sides": ["variant:compile_blocks", "variant:compile_blocks#fp8",
@@ -646,6 +650,9 @@ VARIANTS = {
                     "    torch.backends.cuda.enable_mem_efficient_sdp(False)\n"
                     "    torch.backends.cuda.enable_math_sdp(False)\n"
                     "    torch.backends.cuda.enable_cudnn_sdp(True)\n")],
+    # fp8 with the whole model compiled, as bf16 is, not each block on its own
+    "fp8_whole": [("    if cfg.train.precision != \"fp8\" or not use_compile:\n"
+                   "        return use_compile\n", "    if True:\n        return use_compile\n")],
     # fp8 without torch.compile, which the trainer refuses
     "fp8_eager": [("    if not use_compile:\n        return (\"train.precision=fp8 needs torch",
                    "    if False:\n        return (\"train.precision=fp8 needs torch")],
@@ -1985,7 +1992,9 @@ def figures(stage_records):
             ("fp8_blocks_shapeB_1gpu", "shapeB_blocks",
              ("variant:compile_blocks#fp8", "variant:compile_blocks")),
             ("fp8_micro32_shapeB_1gpu", "shapeB_micro32",
-             ("variant:compile_blocks#fp8", "variant:compile_blocks"))]:
+             ("variant:compile_blocks#fp8", "variant:compile_blocks")),
+            ("fp8_whole_shapeB_1gpu", "shapeB_whole",
+             ("variant:fp8_whole#fp8", "variant:fp8_whole"))]:
         stage = by_stage.get(name, {})
         fp8, bf16 = stage.get(sides[0]), stage.get(sides[1]) or {}
         if fp8:
