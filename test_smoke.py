@@ -1670,10 +1670,10 @@ def test_a_vit_on_the_digits_takes_the_gpu_preset_and_on_other_images_the_defaul
     (["train.precision=fp4"], ["train.precision=fp4 is not one of"]),
     (["max_steps"], ["is not key=value"]),
     (["train.micro_batch_size=0"], ["train.micro_batch_size=0 is out of range", "at least 1"]),
-    (["optim.eps=.inf"], ["optim.eps=inf is not a finite number"]),  # AdamW would never step
-    (["optim.lr=1e999"], ["optim.lr=inf is not a finite number"]),
-    (["checkpoint.dir="], ["checkpoint.dir is empty -> give a path"]),  # not the current folder
-    (["out_dir="], ["out_dir is empty"]),
+    (["optim.eps=.inf"], ["optim.eps=inf is out of range"]),  # AdamW would never step
+    (["optim.lr=1e999"], ["optim.lr=inf is out of range"]),  # YAML reads it as infinity
+    (["checkpoint.dir="], ["checkpoint.dir has no value"]),  # not the current folder
+    (["out_dir="], ["out_dir has no value", 'out_dir="out"']),
 ])
 def test_bad_override_is_one_line_error(override, fragments):
     if override == ["train.max_step=5"]:  # one through a real process: the error line and exit code

@@ -742,7 +742,7 @@ CHOICES = {
     "train.compile": ["auto", "true", "false"],
     "dist.backend": ["auto", "nccl", "gloo"],
 }
-# What each number may be: grad_clip=-1 would flip every gradient and still exit 0
+# What each number may be, and finite: grad_clip=-1 would flip every gradient and still exit 0
 RANGES = {
     **dict.fromkeys(["model.n_layer", "model.n_head", "model.n_embd", "train.global_batch_size",
                      "train.micro_batch_size", "train.max_steps", "train.eval_every", "log.every",
@@ -864,7 +864,7 @@ def typed(flat, key, value, where):
         nearest = difflib.get_close_matches(key, flat, n=1, cutoff=0.0)[0]
         die(f"unknown config key '{key}'{where} -> did you mean '{nearest}'?")
     default = flat[key]
-    if value is None:
+    if value is None or (value == "" and default and key in PATH_KEYS):  # "": the current folder
         die(f"{key} has no value{where} (YAML reads nothing and ~ as null) -> give one, like "
             f"{key}={json.dumps(default) if isinstance(default, str) else default}")
     if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
@@ -876,12 +876,8 @@ def typed(flat, key, value, where):
         fix = f"put it in quotes: \"{value}\"" if isinstance(default, str) else \
             f"give a value like {key}={default}"
         die(f"{key}={value}{where} is not a {kind} -> {fix}")
-    if isinstance(value, float) and not math.isfinite(value):  # YAML reads .inf, and 1e999 too
-        die(f"{key}={value}{where} is not a finite number -> give one like {key}={default}")
     if key in CHOICES and value not in CHOICES[key]:
         die(f"{key}={value} is not one of {'|'.join(CHOICES[key])} -> pick one of those")
-    if key in PATH_KEYS and default and not value:  # an empty path would mean the current folder
-        die(f"{key} is empty{where} -> give a path, like {key}={default}")
     return os.path.expanduser(value) if key in PATH_KEYS else value
 
 
@@ -907,7 +903,7 @@ def check_config(cfg, world_size):
     for key, allowed in RANGES.items():
         for bound in allowed.split(" and "):
             relation, _, limit = bound.rpartition(" ")
-            if not relations[relation](values[key], float(limit)):
+            if not (relations[relation](values[key], float(limit)) and math.isfinite(values[key])):
                 die(f"{key}={values[key]} is out of range -> give it a value {allowed}")
     for key, reason in NOT_HERE.items():
         if values[key] != defaults[key]:
