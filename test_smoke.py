@@ -1699,6 +1699,17 @@ def test_values_of_the_right_type_but_out_of_range_are_refused(override):
         train_ddp.check_config(cfg, world_size=1)
 
 
+def test_a_huge_whole_number_is_in_range_and_infinity_is_not():
+    """Python's ints have no largest value (math.isfinite would raise on this one); YAML reads .inf
+    and 1e999 as infinite floats."""
+    huge = train_ddp.load_config(["train.max_steps=" + "9" * 400], use_cuda=False)
+    assert train_ddp.check_config(huge, world_size=1) == 2  # no error: the CPU preset's 32 / 16
+    for value in [".inf", "-.inf", "1e999"]:
+        with pytest.raises(train_ddp.UserError, match=r"optim.eps=-?inf is out of range"):
+            train_ddp.check_config(train_ddp.load_config([f"optim.eps={value}"], use_cuda=False),
+                                   world_size=1)
+
+
 def test_config_file_mistakes_name_the_line_or_the_key(tmp_path):
     broken = tmp_path / "broken.yaml"
     broken.write_text("train:\n  max_steps: 10\n   seq_len: 64\n")

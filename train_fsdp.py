@@ -864,7 +864,7 @@ def typed(flat, key, value, where):
         nearest = difflib.get_close_matches(key, flat, n=1, cutoff=0.0)[0]
         die(f"unknown config key '{key}'{where} -> did you mean '{nearest}'?")
     default = flat[key]
-    if value is None or (value == "" and default and key in PATH_KEYS):  # "": the current folder
+    if value is None or (value == "" and default and key in PATH_KEYS):  # "" would be "."
         die(f"{key} has no value{where} (YAML reads nothing and ~ as null) -> give one, like "
             f"{key}={json.dumps(default) if isinstance(default, str) else default}")
     if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
@@ -903,7 +903,7 @@ def check_config(cfg, world_size):
     for key, allowed in RANGES.items():
         for bound in allowed.split(" and "):
             relation, _, limit = bound.rpartition(" ")
-            if not (relations[relation](values[key], float(limit)) and math.isfinite(values[key])):
+            if not (relations[relation](values[key], float(limit)) and abs(values[key]) < math.inf):
                 die(f"{key}={values[key]} is out of range -> give it a value {allowed}")
     for key, reason in NOT_HERE.items():
         if values[key] != defaults[key]:
