@@ -1670,7 +1670,7 @@ def test_a_vit_on_the_digits_takes_the_gpu_preset_and_on_other_images_the_defaul
     (["train.precision=fp4"], ["train.precision=fp4 is not one of"]),
     (["max_steps"], ["is not key=value"]),
     (["train.micro_batch_size=0"], ["train.micro_batch_size=0 is out of range", "at least 1"]),
-    (["optim.eps=.inf"], ["optim.eps=inf is out of range"]),  # AdamW would never step
+    (["optim.eps=.inf"], ["optim.eps=inf is out of range"]),  # AdamW's update would be 0
     (["optim.lr=1e999"], ["optim.lr=inf is out of range"]),  # YAML reads it as infinity
     (["checkpoint.dir="], ["checkpoint.dir has no value"]),  # not the current folder
     (["out_dir="], ["out_dir has no value", 'out_dir="out"']),
@@ -4784,6 +4784,7 @@ def test_torchruns_own_traceback_is_held_back_whole_even_with_a_blank_line_in_it
         assert held.read_text() == "\n".join([*traceback, "after"]) + "\n"
     else:
         assert result.stdout == stream and not held.exists(), result.stdout
+
 
 def test_launch_prepares_the_default_data_however_the_config_names_it_and_no_other(tmp_path):
     """The digits are prepared for data.dir=data/digits as for data.dir left at its default; the
