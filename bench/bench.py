@@ -541,7 +541,7 @@ def inductor_option(name):
             f"    inductor_config.{name} = True\n")
 
 
-AUTOTUNE_GEMM = inductor_option("max_autotune_gemm")  # for the variants that use it
+AUTOTUNE_GEMM = inductor_option("max_autotune_gemm")  # alone, and with the captured step
 VARIANTS = {
     "ddp_at_world_size_1": [("    if dist.get_world_size() == 1:\n        return torch.compile",
                              "    if False:\n        return torch.compile")],  # DDP on 1 process
