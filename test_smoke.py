@@ -1700,8 +1700,8 @@ def test_values_of_the_right_type_but_out_of_range_are_refused(override):
 
 
 def test_a_huge_whole_number_is_in_range_and_infinity_is_not():
-    """Python's ints have no largest value (math.isfinite would raise on this one); YAML reads .inf
-    and 1e999 as infinite floats."""
+    """Python's ints have no largest value, so the range check compares, never converts to a
+    float; YAML reads .inf and 1e999 as infinite floats."""
     huge = train_ddp.load_config(["train.max_steps=" + "9" * 400], use_cuda=False)
     assert train_ddp.check_config(huge, world_size=1) == 2  # no error: the CPU preset's 32 / 16
     for value in [".inf", "-.inf", "1e999"]:
