@@ -5234,7 +5234,11 @@ def test_bench_sets_fp8_against_bf16_of_the_same_stage_for_speed_and_loss():
         ("fp8_micro32_shapeB_1gpu", "variant:compile_blocks#fp8"): (75.0, None),
         ("fp8_micro32_shapeB_1gpu", "variant:compile_blocks"): (100.0, None),
         ("fp8_whole_shapeB_1gpu", "variant:fp8_whole#fp8"): (96.0, None),
-        ("fp8_whole_shapeB_1gpu", "variant:fp8_whole"): (80.0, None)}
+        ("fp8_whole_shapeB_1gpu", "variant:fp8_whole"): (80.0, None),
+        ("fp8_whole_llama1p3b_1gpu", "variant:fp8_whole#fp8"): (90.0, None),
+        ("fp8_whole_llama1p3b_1gpu", "variant:fp8_whole"): (60.0, None),
+        ("fp8_compile_llama1p3b_1gpu", "variant:fp8_whole#fp8"): (84.0, None),
+        ("fp8_compile_llama1p3b_1gpu", "ours#fp8"): (80.0, None)}
     stage_records = [{**common, "stage": stage, "side": side, "command": f"{stage} {side}",
                       "tokens_per_sec": tps, "val_loss_last": loss}
                      for (stage, side), (tps, loss) in figures.items()]
@@ -5244,11 +5248,43 @@ def test_bench_sets_fp8_against_bf16_of_the_same_stage_for_speed_and_loss():
                 "fp8_vs_bf16_shapeB_blocks_1gpu_tokens_per_sec": 1.1,
                 "fp8_vs_bf16_shapeB_micro32_1gpu_tokens_per_sec": 0.75,
                 "fp8_vs_bf16_shapeB_whole_1gpu_tokens_per_sec": 1.2,
+                "fp8_vs_bf16_llama1p3b_whole_1gpu_tokens_per_sec": 1.5,
+                "fp8_whole_vs_blocks_llama1p3b_1gpu_tokens_per_sec": 1.05,
                 "fp8_vs_bf16_llama1p3b_loss_ratio": 1.01,
                 "fp8_vs_bf16_shapeB_loss_ratio": 0.9}
     assert {metric: rows[metric]["ratio"] for metric in expected} == pytest.approx(expected)
     assert rows["fp8_vs_bf16_shapeB_loss_ratio"]["baseline_command"] == \
         "fp8_loss_shapeB_1gpu variant:compile_blocks"
+
+
+def test_bench_starts_ours_python_without_launch_sh_and_sets_it_against_the_trainer_under_it(
+        monkeypatch):
+    """ours_python: the trainer and overrides of ours, started by python3 itself with launch.sh's
+    share of cores; its row divides by ours of the same stage, not by nanoGPT."""
+    bench = load_bench()
+    started = {}
+
+    def run_processes(command, cwd, env_extras, timeout_s, log, prefixes=None):
+        started[command[0]] = command, env_extras
+        return "failed", [""], 0.0
+
+    monkeypatch.setattr(bench, "run_processes", run_processes)
+    stage, shape, batch = bench.stage_settings("launcher_shapeA_1gpu", tiny=False)
+    for side in ["ours", "ours_python"]:
+        record = bench.run_ours("launcher_shapeA_1gpu", stage, shape, batch, False, 29600,
+                                lambda line: None, side)
+    launched, bare = started["bash"], started[sys.executable]
+    assert launched[0][1] == "launch.sh" and bare[0][1] == "train_ddp.py"
+    assert [arg.replace("ours_python", "ours") for arg in bare[0][2:]] == launched[0][3:]
+    assert bare[1][0]["OMP_NUM_THREADS"] == str(os.cpu_count()) and "NPROC_PER_NODE" in bare[1][0]
+    assert record["command"].split(" train_ddp.py ")[0].endswith("python3")
+    common = {"date": "2026-12-06", "machine": "1 × GPU", "tiny": False,
+              "stage": "launcher_shapeA_1gpu"}
+    records = [{**common, "side": side, "command": side, "tokens_per_sec": tps}
+               for side, tps in [("ours", 500.0), ("nanogpt", 400.0), ("ours_python", 520.0)]]
+    row = {r["metric"]: r for r in bench.figures(records)}[
+        "ours_python_vs_launch_shapeA_1gpu_tokens_per_sec"]
+    assert (row["ratio"], row["baseline_command"]) == (pytest.approx(1.04), "ours")
 
 
 def test_bench_variant_made_from_a_kept_folder_replaces_its_text_or_says_what_no_longer_matches(

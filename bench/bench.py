@@ -152,6 +152,16 @@ STAGES = {
     # the blocks, as in a plain compiled loop, at the cost of a longer compile
     "fp8_whole_shapeB_1gpu": fp8_pair("fp8_whole", "B", steps=30, skip_steps=10, log_every=5,
                                       timeout_s=400, budget_s=560),
+    # at 1.3B: fp8 with the whole model compiled against fp8 as the trainer compiles it (each block
+    # on its own); then bf16 and fp8 both compiled whole, on a machine whose compile cache the first
+    # has filled (cold, fp8's whole-model compile at 1.3B was still running after 290 s)
+    "fp8_compile_llama1p3b_1gpu": {"sides": ["ours#fp8", "variant:fp8_whole#fp8"], "shape": "1.3B",
+                                   "gpus": 1, "llama": True, "steps": 30, "skip_steps": 10,
+                                   "log_every": 5, "timeout_s": 450, "budget_s": 585,
+                                   "side_extra": {side: ["train.precision=fp8"] for side in [
+                                       "ours#fp8", "variant:fp8_whole#fp8"]}},
+    "fp8_whole_llama1p3b_1gpu": fp8_pair("fp8_whole", "1.3B", steps=30, skip_steps=10, log_every=5,
+                                         timeout_s=400, budget_s=585),
     # shape B's Llama, every side's blocks compiled one by one: bf16, fp8 as the trainer does it,
     # fp8 for the MLP alone, fp8 rowwise
     "fp8_levers_shapeB_1gpu": {"sides": ["variant:compile_blocks", "variant:compile_blocks#fp8",
@@ -235,6 +245,11 @@ STAGES = {
                              "shape": "B", "gpus": 1, "steps": 30, "skip_steps": 10,
                              "log_every": 5, "timeout_s": 180, "budget_s": 540,
                              "batch": {"micro_batch_size": 32}},
+    # the launcher's share of the host time: the trainer started by python3 itself (ours_python: no
+    # launch.sh, no torchrun, as nanoGPT runs on one GPU) against the trainer under launch.sh
+    "launcher_shapeA_1gpu": {"sides": ["ours", "nanogpt", "ours_python"], "shape": "A", "gpus": 1,
+                             "steps": 150, "skip_steps": 20, "log_every": 10, "timeout_s": 150,
+                             "budget_s": 480, "batch": {"micro_batch_size": 32}},
     # shape B: the captured step against the trainer and nanoGPT
     "graphs2_shapeB_1gpu": {"sides": ["ours", "nanogpt", "variant:cuda_graphs_captured"],
                             "shape": "B", "gpus": 1, "steps": 30, "skip_steps": 10,
@@ -1205,6 +1220,7 @@ def run_ours(stage_name, stage, shape, batch, tiny, port, log, side="ours"):
         overrides = [o for o in overrides if o not in ("checkpoint.every=0", "export=false")]
         overrides += [f"checkpoint.every={stage['steps']}", "log.sample_prompt="]
     script = {"ours": "train_ddp.py", "ours_tiered": "train_ddp.py", "ours_fsdp": "train_fsdp.py",
+              "ours_python": "train_ddp.py",
               **{name: "train_ddp.py" for name in SIDE_OVERRIDES}}.get(base_side)
     if base_side.startswith("variant:"):
         script = str(variant_script(base_side.split(":", 1)[1]).relative_to(REPO))
@@ -1217,6 +1233,9 @@ def run_ours(stage_name, stage, shape, batch, tiny, port, log, side="ours"):
                       for o in CONFIG_SIDES[base_side.split(":", 1)[1]]]
     command = ["bash", "launch.sh", script, *overrides, *stage.get("extra", []),
                *SIDE_OVERRIDES.get(base_side, []), *stage.get("side_extra", {}).get(side, [])]
+    if base_side == "ours_python":  # one process without launch.sh and torchrun; its cores as there
+        command = [sys.executable, *command[2:]]
+        env_extras = [{**env, "OMP_NUM_THREADS": str(os.cpu_count() or 1)} for env in env_extras]
     micro = [int(arg.split("=", 1)[1]) for arg in command
              if arg.startswith("train.micro_batch_size=")][-1]
     if tiny and batch["global_batch_size"] % (micro * stage["gpus"]):  # e.g. 32 in --tiny's 16
@@ -1226,8 +1245,9 @@ def run_ours(stage_name, stage, shape, batch, tiny, port, log, side="ours"):
     status, outputs, seconds = run_processes(command, REPO, env_extras, stage["timeout_s"], log,
                                              prefixes)
     output = "".join(outputs)  # rank 0, which logs, runs on one of the nodes: torchrun picks which
-    record = {"command": launch_text(command, env_extras, prefixes), "status": status,
-              "seconds": round(seconds, 1), "nodes": len(env_extras),
+    record = {"command": launch_text(command, env_extras, prefixes).replace(sys.executable,
+                                                                           "python3"),
+              "status": status, "seconds": round(seconds, 1), "nodes": len(env_extras),
               "transports": nccl_transports(output)}
     if data_dir:
         record["data_dir"] = str(data_dir)
@@ -1994,6 +2014,8 @@ def figures(stage_records):
             ("fp8_micro32_shapeB_1gpu", "shapeB_micro32",
              ("variant:compile_blocks#fp8", "variant:compile_blocks")),
             ("fp8_whole_shapeB_1gpu", "shapeB_whole",
+             ("variant:fp8_whole#fp8", "variant:fp8_whole")),
+            ("fp8_whole_llama1p3b_1gpu", "llama1p3b_whole",
              ("variant:fp8_whole#fp8", "variant:fp8_whole"))]:
         stage = by_stage.get(name, {})
         fp8, bf16 = stage.get(sides[0]), stage.get(sides[1]) or {}
@@ -2005,6 +2027,21 @@ def figures(stage_records):
                      f"loss at the last step fp8 {fp8.get('loss_last')}, bf16 "
                      f"{bf16.get('loss_last')}; MFU (against the bf16 peak) fp8 {fp8.get('mfu')}, "
                      f"bf16 {bf16.get('mfu')}")
+    compiled = by_stage.get("fp8_compile_llama1p3b_1gpu", {})
+    whole, blocks = compiled.get("variant:fp8_whole#fp8"), compiled.get("ours#fp8") or {}
+    if whole:
+        row("fp8_whole_vs_blocks_llama1p3b_1gpu_tokens_per_sec", whole.get("tokens_per_sec"),
+            "tokens/s", "fp8 as the trainer compiles it, each block on its own, same call",
+            blocks.get("tokens_per_sec"), whole.get("command"), blocks.get("command"), whole,
+            note=f"seconds in all (compile included) whole {whole.get('seconds')}, blocks "
+                 f"{blocks.get('seconds')}; peak GiB whole {whole.get('peak_mem_gib')}, blocks "
+                 f"{blocks.get('peak_mem_gib')}")
+    launched = by_stage.get("launcher_shapeA_1gpu", {})
+    bare, ours = launched.get("ours_python"), launched.get("ours") or {}
+    if bare:
+        row("ours_python_vs_launch_shapeA_1gpu_tokens_per_sec", bare.get("tokens_per_sec"),
+            "tokens/s", "the trainer under launch.sh and torchrun, same call",
+            ours.get("tokens_per_sec"), bare.get("command"), ours.get("command"), bare)
     for label in ["llama1p3b", "shapeB"]:
         losses = by_stage.get(f"fp8_loss_{label}_1gpu", {})
         fp8 = losses.get("variant:compile_blocks#fp8") or {}
