@@ -5414,6 +5414,24 @@ def test_profile_steps_hooks_into_both_trainers_the_captured_variant_and_nanogpt
     assert "Window.shared.at(iter_num, 0)\n" + profile_steps.NANOGPT_ANCHOR in \
         profile_steps.instrument(loop, nanogpt=True)
     assert profile_steps.instrument("while True:\n    pass\n", nanogpt=True) is None
+    # GPU idle charged to the operators that launched the kernel ending it: made-up events in us
+    cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+
+    def event(device_type, start, end, name="", id=0, linked=0, parent=None):
+        return SimpleNamespace(device_type=device_type, name=name, id=id, cpu_parent=parent,
+                               linked_correlation_id=linked,
+                               time_range=SimpleNamespace(start=start, end=end))
+
+    step = event(cpu, 0, 1000, "train_step", id=1)
+    adamw = event(cpu, 0, 10, "AdamW.step", id=2, parent=step)
+    forward = event(cpu, 0, 10, "aten::mm", id=3, parent=step)
+    events = [step, adamw, forward, event(cpu, 0, 1, "cudaLaunchKernel", id=3, linked=2),
+              event(cuda, 0, 100, linked=3), event(cuda, 50, 150, linked=3),  # overlapping
+              event(cuda, 160, 200, linked=2),  # 10 us after: no gap
+              event(cuda, 300, 400, linked=2), event(cuda, 450, 500, linked=3),
+              event(cuda, 600, 700, linked=2)]
+    assert profile_steps.idle_gaps(events) == {"AdamW.step <- train_step": (200, 2),
+                                               "aten::mm <- train_step": (50, 1)}
 
 
 def test_bench_stages_name_only_variants_and_config_sides_that_exist():

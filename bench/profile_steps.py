@@ -14,7 +14,9 @@ kernels, the sum of NCCL kernel times (an NCCL kernel also runs while it waits f
 so a large sum on one rank points at the other) and the count of GPU activities (kernels, copies
 and memsets). Rank 0 also prints the top kernels and host calls, and (PROF_STACK=1) the operator
 chain above every cudaMemcpyAsync, cudaStreamSynchronize, cudaEventSynchronize and
-cudaDeviceSynchronize, i.e. where the host waited for the GPU. CUDA only.
+cudaDeviceSynchronize, i.e. where the host waited for the GPU; and `GAP` lines: the stretches in
+which the GPU sat idle, each charged to the operators that launched the kernel ending it (where
+the host was late). CUDA only.
 A tiered run (model.embedding_gpu_rows): rank 0 also prints one `HOST` line per TieredEmbedding
 method (stage, start_step, gradient_ready, step, write_to_tables): its calls and host time in the
 window.
@@ -92,6 +94,46 @@ class Window:
                 chains[(event.name, " <- ".join(chain))] += 1
         for (name, chain), count in chains.most_common(25):
             print("CHAIN", name, count, chain, flush=True)
+        gaps = idle_gaps(events)
+        if gaps is None:
+            print("GAP: this torch's profiler links no kernel to the operator that launched it",
+                  flush=True)
+            return
+        print(f"GAP {sum(t for t, _ in gaps.values()) / 1e3:.1f} ms of GPU idle in "
+              f"{sum(n for _, n in gaps.values())} gaps over {GAP_US} us, by the operator chain "
+              "that launched the kernel ending each gap:", flush=True)
+        for chain, (total, count) in sorted(gaps.items(), key=lambda item: -item[1][0])[:15]:
+            print(f"GAP {total / 1e3:.2f} ms {count} {chain}", flush=True)
+
+
+GAP_US = 20  # a GPU idle this long or longer counts as a gap
+
+
+def idle_gaps(events):
+    """{operator chain: (idle us, gaps)}: each stretch of at least GAP_US in which no GPU
+    activity ran, charged to the host operators that launched the activity ending it (the host
+    was late there). None if the events carry no launch link."""
+    kernels = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)
+    if kernels and not hasattr(kernels[0], "linked_correlation_id"):
+        return None
+    # the launching operators: a runtime call (cudaLaunchKernel) is linked itself, and its id is
+    # CUPTI's, not an operator's
+    operators = {e.id: e for e in events if e.device_type == torch.autograd.DeviceType.CPU
+                 and not e.linked_correlation_id}
+    gaps, busy_end = {}, None
+    for kernel in kernels:
+        start = kernel.time_range.start
+        if busy_end is not None and start - busy_end >= GAP_US:
+            chain, operator = [], operators.get(kernel.linked_correlation_id)
+            while operator is not None and len(chain) < 4:
+                chain.append(operator.name[:50])
+                operator = operator.cpu_parent
+            key = " <- ".join(chain) or "(no operator)"
+            total, count = gaps.get(key, (0, 0))
+            gaps[key] = (total + start - busy_end, count + 1)
+        busy_end = max(busy_end or 0, kernel.time_range.end)
+    return gaps
 
 
 def labelled(label, method):
