@@ -245,11 +245,13 @@ STAGES = {
                              "shape": "B", "gpus": 1, "steps": 30, "skip_steps": 10,
                              "log_every": 5, "timeout_s": 180, "budget_s": 540,
                              "batch": {"micro_batch_size": 32}},
-    # the launcher's share of the host time: the trainer started by python3 itself (ours_python: no
-    # launch.sh, no torchrun, as nanoGPT runs on one GPU) against the trainer under launch.sh
-    "launcher_shapeA_1gpu": {"sides": ["ours", "nanogpt", "ours_python"], "shape": "A", "gpus": 1,
+    # what the trainer's process holds that nanoGPT's does not, one at a time: launch.sh and
+    # torchrun (ours_python: started by python3 itself, as nanoGPT runs on one GPU), an NCCL
+    # communicator (config:gloo: the process group on gloo), the verdict's all-reduce in one process
+    "launcher_shapeA_1gpu": {"sides": ["ours", "nanogpt", "ours_python", "config:gloo",
+                                       "variant:verdict_local"], "shape": "A", "gpus": 1,
                              "steps": 150, "skip_steps": 20, "log_every": 10, "timeout_s": 150,
-                             "budget_s": 480, "batch": {"micro_batch_size": 32}},
+                             "budget_s": 570, "batch": {"micro_batch_size": 32}},
     # shape B: the captured step against the trainer and nanoGPT
     "graphs2_shapeB_1gpu": {"sides": ["ours", "nanogpt", "variant:cuda_graphs_captured"],
                             "shape": "B", "gpus": 1, "steps": 30, "skip_steps": 10,
@@ -668,6 +670,10 @@ VARIANTS = {
     # fp8 with the whole model compiled, as bf16 is, not each block on its own
     "fp8_whole": [("    if cfg.train.precision != \"fp8\" or not use_compile:\n"
                    "        return use_compile\n", "    if True:\n        return use_compile\n")],
+    # one process: the verdict not all-reduced (nothing to reduce), so no NCCL kernel in the step
+    "verdict_local": [("        dist.all_reduce(verdict, op=dist.ReduceOp.MAX)\n",
+                       "        if dist.get_world_size() > 1:\n"
+                       "            dist.all_reduce(verdict, op=dist.ReduceOp.MAX)\n")],
     # fp8 without torch.compile, which the trainer refuses
     "fp8_eager": [("    if not use_compile:\n        return (\"train.precision=fp8 needs torch",
                    "    if False:\n        return (\"train.precision=fp8 needs torch")],
@@ -706,6 +712,7 @@ CONFIG_SIDES = {
     # launches on the host per token
     "micro32": ["train.micro_batch_size=32"],
     "micro64": ["train.micro_batch_size=64"],
+    "gloo": ["dist.backend=gloo"],
 }
 
 DATA_WAIT_KEY = "data_wait_frac"  # a metrics.jsonl "train" key
