@@ -6,8 +6,9 @@ train_fsdp.py.
 
 Writes a copy of the trainer to .baselines/prof/NAME/ (ignored by git) with a profiler window over
 the steps after FIRST up to LAST, then runs it with torchrun (the arguments after `--`; SCRIPT
-stands for the copy). nanoGPT's train.py (the same window, its iterations counted from 0) runs
-with python3 in its own folder, the arguments after `--` its own: one process, as bench.py runs it.
+stands for the copy), or with python3 alone where `--` is followed by SCRIPT. nanoGPT's
+train.py (the same window, its iterations counted from 0) runs with python3 in its own folder,
+the arguments after `--` its own: one process, as bench.py runs it.
 Each rank prints one `PROF` line: the window's wall time, how long the GPU ran any kernel (the
 union of kernel intervals: 1 - busy/wall is the time the GPU sat idle), the union of non-NCCL
 kernels, the sum of NCCL kernel times (an NCCL kernel also runs while it waits for the other rank,
@@ -185,8 +186,9 @@ def main():
     else:
         cwd = REPO
         (copy_dir / "config.yaml").write_text((REPO / "config.yaml").read_text())
-        where = args.index("SCRIPT")
-        command = ["torchrun", *args[:where], str(copy_dir / script.name), *args[where + 1:]]
+        where = args.index("SCRIPT")  # nothing before it: one process started by python3 itself
+        command = [*(["torchrun", *args[:where]] if where else [sys.executable]),
+                   str(copy_dir / script.name), *args[where + 1:]]
     pythonpath = ":".join([*map(str, paths), os.environ.get("PYTHONPATH", "")])
     env = {**os.environ, "PYTHONPATH": pythonpath, "PROF_WINDOW": f"{name}:{first}:{last}"}
     print(" ".join(command), flush=True)
