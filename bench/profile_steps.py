@@ -101,8 +101,8 @@ class Window:
                   flush=True)
             return
         print(f"GAP {sum(t for t, _ in gaps.values()) / 1e3:.1f} ms of GPU idle in "
-              f"{sum(n for _, n in gaps.values())} gaps over {GAP_US} us, by the operator chain "
-              "that launched the kernel ending each gap:", flush=True)
+              f"{sum(n for _, n in gaps.values())} gaps of {GAP_US} us or more, by the operators "
+              "that launched the activity ending each:", flush=True)
         for chain, (total, count) in sorted(gaps.items(), key=lambda item: -item[1][0])[:15]:
             print(f"GAP {total / 1e3:.2f} ms {count} {chain}", flush=True)
 
