@@ -154,7 +154,6 @@ def main():
     # the loss compiled on its own: the fp32 upcast, log-softmax and gather fuse
     loss_of = torch.compile(token_loss_sum) if use_compile else token_loss_sum
     loss_of = masked_lm_loss(loss_of, cfg, reader)  # MLM: one graph for every length
-    use_compile = compile_fp8_blocks(raw_model, cfg, use_compile)  # fp8
     model, parallel = wrap_model(raw_model, cfg, device, use_compile)
     setup = Setup(cfg=cfg, device=device, autocast=autocast, raw_model=raw_model, meta=meta,
                   train_data=train_data, parallel=parallel, loss_of=loss_of,
@@ -2705,19 +2704,9 @@ def train_in_fp8(model, cfg, device, use_compile, sharded):
                                module_filter_fn=lambda module, name: name in chosen)
     log0(f"fp8: {len(chosen)} linear layers multiply in float8 (torchao, tensorwise), the rest in "
          "bf16; MFU is counted against the bf16 peak")
-    if model.config.hidden_size < 2048:  # the casts and scalings cost what narrow matmuls gain
-        log0(f"fp8: width {model.config.hidden_size}; on an H200 fp8 measured 1.2x bf16's tokens/s "
-             "at width 2048 but 1.01x at 1280 (bench/RESULTS.md): bf16 may be as fast here")
-
-
-def compile_fp8_blocks(model, cfg, use_compile):
-    """Under fp8 each block compiles on its own, not the whole model (False): fp8's whole graph
-    compiles far slower (bench/RESULTS.md)."""
-    if cfg.train.precision != "fp8" or not use_compile:
-        return use_compile
-    for block in repeated_blocks(model):
-        block.compile()
-    return False
+    if model.config.hidden_size < 1280:  # the casts and scalings cost what narrow matmuls gain
+        log0(f"fp8: width {model.config.hidden_size}; fp8 measured 1.2x bf16's tokens/s at width "
+             "2048 and 1.08x at 1280 (bench/RESULTS.md), less the narrower: bf16 may be as fast")
 # ============================================================================== fp8: end
 
 

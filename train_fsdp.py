@@ -157,7 +157,6 @@ def main():
     # the loss compiled on its own: the fp32 upcast, log-softmax and gather fuse
     loss_of = torch.compile(token_loss_sum) if use_compile else token_loss_sum
     loss_of = masked_lm_loss(loss_of, cfg, reader)  # MLM: one graph for every length
-    use_compile = compile_fp8_blocks(raw_model, cfg, use_compile)  # fp8
     model, parallel = gradient_sync(raw_model, use_compile)  # sharded in section 4
     # dcp.async_save writes in a thread of its own and needs a process group with a CPU backend
     async_group = dist.new_group(backend="gloo") if cfg.checkpoint.async_save else None
@@ -2348,9 +2347,9 @@ def train_in_fp8(model, cfg, device, use_compile, sharded):
                                module_filter_fn=lambda module, name: name in chosen)
     log0(f"fp8: {len(chosen)} linear layers multiply in float8 (torchao, tensorwise), the rest in "
          "bf16; MFU is counted against the bf16 peak")
-    if model.config.hidden_size < 2048:  # the casts and scalings cost what narrow matmuls gain
-        log0(f"fp8: width {model.config.hidden_size}; on an H200 fp8 measured 1.2x bf16's tokens/s "
-             "at width 2048 but 1.01x at 1280 (bench/RESULTS.md): bf16 may be as fast here")
+    if model.config.hidden_size < 1280:  # the casts and scalings cost what narrow matmuls gain
+        log0(f"fp8: width {model.config.hidden_size}; fp8 measured 1.2x bf16's tokens/s at width "
+             "2048 and 1.08x at 1280 (bench/RESULTS.md), less the narrower: bf16 may be as fast")
 
 
 def fp8_scales_after_update(raw_model, cfg):
@@ -2358,16 +2357,6 @@ def fp8_scales_after_update(raw_model, cfg):
     if cfg.train.precision == "fp8":
         from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
         precompute_float8_dynamic_scale_for_fsdp(raw_model)
-
-
-def compile_fp8_blocks(model, cfg, use_compile):
-    """Under fp8 each block compiles on its own, not the whole model (False): fp8's whole graph
-    compiles far slower (bench/RESULTS.md)."""
-    if cfg.train.precision != "fp8" or not use_compile:
-        return use_compile
-    for block in repeated_blocks(model):
-        block.compile()
-    return False
 # ============================================================================== fp8: end
 
 

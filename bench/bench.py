@@ -115,15 +115,17 @@ STAGES = {
                             "skip_steps": 20, "log_every": 10, "timeout_s": 270},
     # train.precision=fp8 (torchao, needs it installed) against bf16 on a Llama of 1.3B parameters
     # and one of shape B, micro-batches of 16 (4 a step), the trainer as it is: bf16 compiles the
-    # whole model (over 3 minutes a side at 1.3B), fp8 each block on its own
+    # whole model on both sides (over 3 minutes a side at 1.3B, fp8's longer: run
+    # fp8_compile_llama1p3b_1gpu first on the same machine, to fill the compile cache)
     "fp8_llama1p3b_1gpu": {"sides": ["config:llama", "config:llama_fp8"], "shape": "1.3B",
                            "gpus": 1, "steps": 30, "skip_steps": 10, "log_every": 5,
-                           "timeout_s": 290, "budget_s": 580},
-    # the same with bf16's blocks compiled one by one too (variant:compile_blocks), as fp8's are
+                           "timeout_s": 400, "budget_s": 590},
+    # the same with both sides' blocks compiled one by one (variant:compile_blocks)
     "fp8_blocks_llama1p3b_1gpu": fp8_pair("compile_blocks", "1.3B", steps=30, skip_steps=10,
                                           log_every=5, timeout_s=290, budget_s=580),
     "fp8_shapeB_1gpu": {"sides": ["config:llama", "config:llama_fp8"], "shape": "B", "gpus": 1,
-                        "steps": 40, "skip_steps": 10, "log_every": 5, "timeout_s": 280},
+                        "steps": 40, "skip_steps": 10, "log_every": 5, "timeout_s": 400,
+                        "budget_s": 590},
     # eager (train.compile=false; the variant lifts fp8's refusal of it): what fp8 gains without
     # torch.compile, the reason for that refusal
     "fp8_eager_llama1p3b_1gpu": fp8_pair("fp8_eager", "1.3B", steps=16, skip_steps=6, log_every=2,
@@ -131,7 +133,7 @@ STAGES = {
                                          extra=["train.compile=false"]),
     # the loss after 300 steps on data/stdlib, fp8 against bf16: a global batch of 8 samples, so
     # that 300 steps fit a call; the validation loss over 4 batches (the whole validation split).
-    # bf16 with its blocks compiled one by one as fp8's are: it compiles in a third of the time
+    # both sides' blocks compiled one by one: it compiles in a third of the time
     "fp8_loss_llama1p3b_1gpu": fp8_pair("compile_blocks", "1.3B", steps=300, skip_steps=20,
                                         log_every=25, timeout_s=280, budget_s=560,
                                         batch={"micro_batch_size": 8, "global_batch_size": 8},
@@ -141,28 +143,22 @@ STAGES = {
                                      timeout_s=280, budget_s=560,
                                      batch={"micro_batch_size": 8, "global_batch_size": 8},
                                      extra=["train.eval_batches=4"]),
-    # shape B's Llama, both sides' blocks compiled one by one (fp8's as the trainer does it)
+    # shape B's Llama, both sides' blocks compiled one by one
     "fp8_blocks_shapeB_1gpu": fp8_pair("compile_blocks", "B", steps=40, skip_steps=10,
                                        log_every=5, timeout_s=220, budget_s=440),
     # the same with micro-batches of 32 (2 a step): larger matmuls for float8's casts to pay for
     "fp8_micro32_shapeB_1gpu": fp8_pair("compile_blocks", "B", steps=40, skip_steps=10,
                                         log_every=5, timeout_s=220, budget_s=440,
                                         batch={"micro_batch_size": 32}),
-    # shape B's Llama with the whole model compiled on both sides (fp8_whole): fp8's graph spans
-    # the blocks, as in a plain compiled loop, at the cost of a longer compile
-    "fp8_whole_shapeB_1gpu": fp8_pair("fp8_whole", "B", steps=30, skip_steps=10, log_every=5,
-                                      timeout_s=400, budget_s=560),
-    # at 1.3B: fp8 with the whole model compiled against fp8 as the trainer compiles it (each block
-    # on its own); then bf16 and fp8 both compiled whole, on a machine whose compile cache the first
-    # has filled (cold, fp8's whole-model compile at 1.3B was still running after 290 s)
-    "fp8_compile_llama1p3b_1gpu": {"sides": ["ours#fp8", "variant:fp8_whole#fp8"], "shape": "1.3B",
-                                   "gpus": 1, "llama": True, "steps": 30, "skip_steps": 10,
-                                   "log_every": 5, "timeout_s": 450, "budget_s": 585,
+    # at 1.3B: fp8 each block compiled on its own (fp8_blocks), then as the trainer compiles it,
+    # the whole model (cold, that compile was still running after 290 s)
+    "fp8_compile_llama1p3b_1gpu": {"sides": ["variant:fp8_blocks#fp8", "ours#fp8"],
+                                   "shape": "1.3B", "gpus": 1, "llama": True, "steps": 30,
+                                   "skip_steps": 10, "log_every": 5, "timeout_s": 450,
+                                   "budget_s": 585,
                                    "side_extra": {side: ["train.precision=fp8"] for side in [
-                                       "ours#fp8", "variant:fp8_whole#fp8"]}},
-    "fp8_whole_llama1p3b_1gpu": fp8_pair("fp8_whole", "1.3B", steps=30, skip_steps=10, log_every=5,
-                                         timeout_s=400, budget_s=585),
-    # shape B's Llama, every side's blocks compiled one by one: bf16, fp8 as the trainer does it,
+                                       "ours#fp8", "variant:fp8_blocks#fp8"]}},
+    # shape B's Llama, every side's blocks compiled one by one: bf16, fp8,
     # fp8 for the MLP alone, fp8 rowwise
     "fp8_levers_shapeB_1gpu": {"sides": ["variant:compile_blocks", "variant:compile_blocks#fp8",
                                          "variant:fp8_mlp_only", "variant:fp8_rowwise"],
@@ -667,9 +663,11 @@ VARIANTS = {
                     "    torch.backends.cuda.enable_mem_efficient_sdp(False)\n"
                     "    torch.backends.cuda.enable_math_sdp(False)\n"
                     "    torch.backends.cuda.enable_cudnn_sdp(True)\n")],
-    # fp8 with the whole model compiled, as bf16 is, not each block on its own
-    "fp8_whole": [("    if cfg.train.precision != \"fp8\" or not use_compile:\n"
-                   "        return use_compile\n", "    if True:\n        return use_compile\n")],
+    # fp8 with each block compiled on its own, not the whole model: shorter to compile
+    "fp8_blocks": [("    model, parallel = wrap_model(raw_model, cfg, device, use_compile)\n",
+                    "    for block in repeated_blocks(raw_model) if use_compile else []:\n"
+                    "        block.compile()\n"
+                    "    model, parallel = wrap_model(raw_model, cfg, device, False)\n")],
     # one process: the verdict not all-reduced (nothing to reduce), so no NCCL kernel in the step
     "verdict_local": [("        dist.all_reduce(verdict, op=dist.ReduceOp.MAX)\n",
                        "        if dist.get_world_size() > 1:\n"
@@ -2019,11 +2017,7 @@ def figures(stage_records):
             ("fp8_blocks_shapeB_1gpu", "shapeB_blocks",
              ("variant:compile_blocks#fp8", "variant:compile_blocks")),
             ("fp8_micro32_shapeB_1gpu", "shapeB_micro32",
-             ("variant:compile_blocks#fp8", "variant:compile_blocks")),
-            ("fp8_whole_shapeB_1gpu", "shapeB_whole",
-             ("variant:fp8_whole#fp8", "variant:fp8_whole")),
-            ("fp8_whole_llama1p3b_1gpu", "llama1p3b_whole",
-             ("variant:fp8_whole#fp8", "variant:fp8_whole"))]:
+             ("variant:compile_blocks#fp8", "variant:compile_blocks"))]:
         stage = by_stage.get(name, {})
         fp8, bf16 = stage.get(sides[0]), stage.get(sides[1]) or {}
         if fp8:
@@ -2035,10 +2029,10 @@ def figures(stage_records):
                      f"{bf16.get('loss_last')}; MFU (against the bf16 peak) fp8 {fp8.get('mfu')}, "
                      f"bf16 {bf16.get('mfu')}")
     compiled = by_stage.get("fp8_compile_llama1p3b_1gpu", {})
-    whole, blocks = compiled.get("variant:fp8_whole#fp8"), compiled.get("ours#fp8") or {}
+    whole, blocks = compiled.get("ours#fp8"), compiled.get("variant:fp8_blocks#fp8") or {}
     if whole:
         row("fp8_whole_vs_blocks_llama1p3b_1gpu_tokens_per_sec", whole.get("tokens_per_sec"),
-            "tokens/s", "fp8 as the trainer compiles it, each block on its own, same call",
+            "tokens/s", "fp8 with each block compiled on its own, same call",
             blocks.get("tokens_per_sec"), whole.get("command"), blocks.get("command"), whole,
             note=f"seconds in all (compile included) whole {whole.get('seconds')}, blocks "
                  f"{blocks.get('seconds')}; peak GiB whole {whole.get('peak_mem_gib')}, blocks "
