@@ -5395,24 +5395,35 @@ def test_profile_steps_hooks_into_both_trainers_the_captured_variant_and_nanogpt
     assert "Window.shared.at(iter_num, 0)\n" + profile_steps.NANOGPT_ANCHOR in \
         profile_steps.instrument(loop, nanogpt=True)
     assert profile_steps.instrument("while True:\n    pass\n", nanogpt=True) is None
-    # GPU idle charged to the operators that launched the kernel ending it: made-up events in us
+    # GPU idle charged to the operators that launched the kernel ending it: made-up profiler
+    # events, times in us, the raw events' in ns from a trace start of 5 ns
     cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
 
-    def event(device_type, start, end, name="", id=0, linked=0, parent=None):
-        return SimpleNamespace(device_type=device_type, name=name, id=id, cpu_parent=parent,
-                               linked_correlation_id=linked,
-                               time_range=SimpleNamespace(start=start, end=end))
+    def raw(device_type, start, end, id=0, linked=0):
+        return SimpleNamespace(device_type=lambda: device_type, correlation_id=lambda: id,
+                               linked_correlation_id=lambda: linked,
+                               start_ns=lambda: start * 1000 + 5, end_ns=lambda: end * 1000 + 5)
 
-    step = event(cpu, 0, 1000, "train_step", id=1)
-    adamw = event(cpu, 0, 10, "AdamW.step", id=2, parent=step)
-    forward = event(cpu, 0, 10, "aten::mm", id=3, parent=step)
-    events = [step, adamw, forward, event(cpu, 0, 1, "cudaLaunchKernel", id=3, linked=2),
-              event(cuda, 0, 100, linked=3), event(cuda, 50, 150, linked=3),  # overlapping
-              event(cuda, 160, 200, linked=2),  # 10 us after: no gap
-              event(cuda, 300, 400, linked=2), event(cuda, 450, 500, linked=3),
-              event(cuda, 600, 700, linked=2)]
-    assert profile_steps.idle_gaps(events) == {"AdamW.step <- train_step": (200, 2),
-                                               "aten::mm <- train_step": (50, 1)}
+    def event(start, name, id, parent=None):
+        return SimpleNamespace(name=name, id=id, cpu_parent=parent,
+                               time_range=SimpleNamespace(start=start))
+
+    step = event(0, "train_step", 1)
+    adamw, forward = event(1, "AdamW.step", 2, step), event(2, "aten::mm", 3, step)
+    launch = event(3, "cudaLaunchKernel", 3)  # CUPTI's id, the same number as aten::mm's
+    raws = [raw(cpu, 0, 1000, id=1), raw(cpu, 1, 10, id=2), raw(cpu, 2, 10, id=3),
+            raw(cpu, 3, 4, id=3, linked=2),
+            raw(cuda, 0, 100, linked=3), raw(cuda, 50, 150, linked=3),  # overlapping
+            raw(cuda, 160, 200, linked=2),  # 10 us after: no gap
+            raw(cuda, 300, 400, linked=2), raw(cuda, 450, 500, linked=3),
+            raw(cuda, 600, 700, linked=2)]
+    results = SimpleNamespace(trace_start_ns=lambda: 5, events=lambda: raws)
+    profile = SimpleNamespace(profiler=SimpleNamespace(kineto_results=results),
+                              events=lambda: [step, adamw, forward, launch])
+    kernels, operators = profile_steps.launch_links(profile)
+    assert operators == {1: step, 2: adamw, 3: forward}
+    assert profile_steps.idle_gaps(kernels, operators) == {"AdamW.step <- train_step": (200, 2),
+                                                           "aten::mm <- train_step": (50, 1)}
 
 
 def test_bench_stages_name_only_variants_and_config_sides_that_exist():

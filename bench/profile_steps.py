@@ -95,11 +95,7 @@ class Window:
                 chains[(event.name, " <- ".join(chain))] += 1
         for (name, chain), count in chains.most_common(25):
             print("CHAIN", name, count, chain, flush=True)
-        gaps = idle_gaps(events)
-        if gaps is None:
-            print("GAP: this torch's profiler links no kernel to the operator that launched it",
-                  flush=True)
-            return
+        gaps = idle_gaps(*launch_links(self.profile))
         print(f"GAP {sum(t for t, _ in gaps.values()) / 1e3:.1f} ms of GPU idle in "
               f"{sum(n for _, n in gaps.values())} gaps of {GAP_US} us or more, by the operators "
               "that launched the activity ending each:", flush=True)
@@ -110,30 +106,40 @@ class Window:
 GAP_US = 20  # a GPU idle this long or longer counts as a gap
 
 
-def idle_gaps(events):
+def launch_links(profile):
+    """(kernels, operators): each GPU activity as (start us, end us, the id of the host operator
+    that launched it), and the host operators by id. Read from the profiler's raw events: some
+    torch versions (2.11) keep no launch link on the events that profile.events() returns."""
+    results = profile.profiler.kineto_results
+    origin = results.trace_start_ns()
+    kernels, operator_keys = [], set()
+    for event in results.events():
+        start, end = (event.start_ns() - origin) / 1e3, (event.end_ns() - origin) / 1e3
+        if event.device_type() == torch.autograd.DeviceType.CUDA:
+            kernels.append((start, end, event.linked_correlation_id()))
+        elif event.linked_correlation_id() == 0:  # an operator, not a runtime call
+            operator_keys.add((event.correlation_id(), start))
+    # a runtime call (cudaLaunchKernel) has CUPTI's id, which may equal an operator's: the start
+    # time tells them apart
+    operators = {e.id: e for e in profile.events() if (e.id, e.time_range.start) in operator_keys}
+    return kernels, operators
+
+
+def idle_gaps(kernels, operators):
     """{operator chain: (idle us, gaps)}: each stretch of at least GAP_US in which no GPU
     activity ran, charged to the host operators that launched the activity ending it (the host
-    was late there). None if the events carry no launch link."""
-    kernels = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA),
-                     key=lambda e: e.time_range.start)
-    if kernels and not hasattr(kernels[0], "linked_correlation_id"):
-        return None
-    # the launching operators: a runtime call (cudaLaunchKernel) is linked itself, and its id is
-    # CUPTI's, not an operator's
-    operators = {e.id: e for e in events if e.device_type == torch.autograd.DeviceType.CPU
-                 and not e.linked_correlation_id}
+    was late there)."""
     gaps, busy_end = {}, None
-    for kernel in kernels:
-        start = kernel.time_range.start
+    for start, end, launched_by in sorted(kernels):
         if busy_end is not None and start - busy_end >= GAP_US:
-            chain, operator = [], operators.get(kernel.linked_correlation_id)
+            chain, operator = [], operators.get(launched_by)
             while operator is not None and len(chain) < 4:
                 chain.append(operator.name[:50])
                 operator = operator.cpu_parent
             key = " <- ".join(chain) or "(no operator)"
             total, count = gaps.get(key, (0, 0))
             gaps[key] = (total + start - busy_end, count + 1)
-        busy_end = max(busy_end or 0, kernel.time_range.end)
+        busy_end = max(busy_end or 0, end)
     return gaps
 
 
