@@ -247,6 +247,15 @@ STAGES = {
                                        "variant:verdict_local"], "shape": "A", "gpus": 1,
                              "steps": 150, "skip_steps": 20, "log_every": 10, "timeout_s": 150,
                              "budget_s": 570, "batch": {"micro_batch_size": 32}},
+    # the model and the loss in one compiled graph (variant:loss_in_graph), as nanoGPT compiles them
+    "loss_graph_shapeA_1gpu": {"sides": ["ours", "nanogpt", "variant:loss_in_graph"], "shape": "A",
+                               "gpus": 1, "steps": 150, "skip_steps": 20, "log_every": 10,
+                               "timeout_s": 150, "budget_s": 400,
+                               "batch": {"micro_batch_size": 32}},
+    "loss_graph_shapeB_1gpu": {"sides": ["ours", "nanogpt", "variant:loss_in_graph"], "shape": "B",
+                               "gpus": 1, "steps": 30, "skip_steps": 10, "log_every": 5,
+                               "timeout_s": 200, "budget_s": 560,
+                               "batch": {"micro_batch_size": 32}},
     # shape B: the captured step against the trainer and nanoGPT
     "graphs2_shapeB_1gpu": {"sides": ["ours", "nanogpt", "variant:cuda_graphs_captured"],
                             "shape": "B", "gpus": 1, "steps": 30, "skip_steps": 10,
@@ -667,6 +676,25 @@ VARIANTS = {
                     "    for block in repeated_blocks(raw_model) if use_compile else []:\n"
                     "        block.compile()\n"
                     "    model, parallel = wrap_model(raw_model, cfg, device, False)\n")],
+    # the model and the loss compiled as one graph, as nanoGPT's (its forward returns the loss):
+    # one compiled call a micro-batch forward and one backward, not two of each
+    "loss_in_graph": [
+        ("            with setup.autocast:\n                logits = model(**batch[\"inputs\"])"
+         ".logits\n            micro_loss = setup.loss_of(logits, batch[\"labels\"])\n",
+         "            logits = None  # inside the one graph\n"
+         "            micro_loss = model_and_loss(setup)(batch[\"inputs\"], batch[\"labels\"])\n"),
+        ("def train_step(", "def model_and_loss(setup, compiled={}):\n"
+         "    device, dtype = setup.autocast.device, setup.autocast.fast_dtype\n"
+         "    enabled = setup.autocast._enabled\n\n"
+         "    def both(inputs, labels):\n"
+         "        with torch.autocast(device, dtype=dtype, enabled=enabled):\n"
+         "            logits = setup.raw_model(**inputs).logits\n"
+         "        return token_loss_sum(logits, labels)\n"
+         "    if not compiled:\n"
+         "        compiled[0] = torch.compile(both) if setup.cfg.train.compile == \"true\" "
+         "else both\n"
+         "    return compiled[0]\n\n\n"
+         "def train_step(")],
     # one process: the verdict not all-reduced (nothing to reduce), so no NCCL kernel in the step
     "verdict_local": [("        dist.all_reduce(verdict, op=dist.ReduceOp.MAX)\n",
                        "        if dist.get_world_size() > 1:\n"
