@@ -5220,7 +5220,7 @@ def test_bench_sets_fp8_against_bf16_of_the_same_stage_for_speed_and_loss():
         ("fp8_shapeB_1gpu", "config:llama_fp8"): (96.0, None),
         ("fp8_shapeB_1gpu", "config:llama"): (80.0, None),
         ("fp8_compile_llama1p3b_1gpu", "ours#fp8"): (84.0, None),
-        ("fp8_compile_llama1p3b_1gpu", "variant:fp8_blocks#fp8"): (80.0, None)}
+        ("fp8_compile_llama1p3b_1gpu", "variant:compile_blocks#fp8"): (80.0, None)}
     stage_records = [{**common, "stage": stage, "side": side, "command": f"{stage} {side}",
                       "tokens_per_sec": tps, "val_loss_last": loss}
                      for (stage, side), (tps, loss) in figures.items()]

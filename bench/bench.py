@@ -149,14 +149,14 @@ STAGES = {
     "fp8_micro32_shapeB_1gpu": fp8_pair("compile_blocks", "B", steps=40, skip_steps=10,
                                         log_every=5, timeout_s=220, budget_s=440,
                                         batch={"micro_batch_size": 32}),
-    # at 1.3B: fp8 each block compiled on its own (fp8_blocks), then as the trainer compiles it,
-    # the whole model
-    "fp8_compile_llama1p3b_1gpu": {"sides": ["variant:fp8_blocks#fp8", "ours#fp8"],
+    # at 1.3B: fp8 each block compiled on its own (compile_blocks), then as the trainer compiles
+    # it, the whole model
+    "fp8_compile_llama1p3b_1gpu": {"sides": ["variant:compile_blocks#fp8", "ours#fp8"],
                                    "shape": "1.3B", "gpus": 1, "llama": True, "steps": 30,
                                    "skip_steps": 10, "log_every": 5, "timeout_s": 450,
                                    "budget_s": 585,
                                    "side_extra": {side: ["train.precision=fp8"] for side in [
-                                       "ours#fp8", "variant:fp8_blocks#fp8"]}},
+                                       "ours#fp8", "variant:compile_blocks#fp8"]}},
     # shape B's Llama, every side's blocks compiled one by one: bf16, fp8,
     # fp8 for the MLP alone, fp8 rowwise
     "fp8_levers_shapeB_1gpu": {"sides": ["variant:compile_blocks", "variant:compile_blocks#fp8",
@@ -563,6 +563,11 @@ def inductor_option(name):
 
 
 AUTOTUNE_GEMM = inductor_option("max_autotune_gemm")  # alone, and with the captured step
+COMPILE_BLOCKS = ("        return torch.compile(raw_model) if use_compile else raw_model, "
+                  "nothing\n",
+                  "        for block in repeated_blocks(raw_model) if use_compile else []:\n"
+                  "            block.compile()\n"
+                  "        return raw_model, nothing\n")  # alone, and in fp8_levers' sides
 VARIANTS = {
     "ddp_at_world_size_1": [("    if dist.get_world_size() == 1:\n        return torch.compile",
                              "    if False:\n        return torch.compile")],  # DDP on 1 process
@@ -587,11 +592,7 @@ VARIANTS = {
                              "    torch._dynamo.config.recompile_limit = 64\n")],
     # one process compiles each repeated block on its own, not the whole model: a block's graph
     # once for all blocks (Dynamo reuses it), the outer forward eager
-    "compile_blocks": [("        return torch.compile(raw_model) if use_compile else raw_model, "
-                        "nothing\n",
-                        "        for block in repeated_blocks(raw_model) if use_compile else []:\n"
-                        "            block.compile()\n"
-                        "        return raw_model, nothing\n")],
+    "compile_blocks": [COMPILE_BLOCKS],
     # no garbage collection during the loop: its pauses land at random steps
     "gc_off": [("    memory_step = min(run.step + 2, cfg.train.max_steps)",
                 "    gc.collect()\n    gc.freeze()\n    gc.disable()\n"
@@ -652,12 +653,13 @@ VARIANTS = {
                        "                linear.bias.data.copy_(child.bias.data)\n"
                        "                setattr(parent, name, linear)\n")],
     # fp8 for the MLP's layers alone: at width 1280 the attention's square projections may gain
-    # less than their casts cost
+    # less than their casts cost (blocks compiled one by one, as fp8_levers' other sides)
     "fp8_mlp_only": [("module_filter_fn=lambda module, name: name in chosen)",
-                      "module_filter_fn=lambda module, name: name in chosen and '.mlp.' in name)")],
-    # torchao's rowwise recipe (a scale per row, not per tensor)
+                      "module_filter_fn=lambda module, name: name in chosen and '.mlp.' in name)"),
+                     COMPILE_BLOCKS],
+    # torchao's rowwise recipe (a scale per row, not per tensor), blocks compiled one by one
     "fp8_rowwise": [("Float8LinearConfig.from_recipe_name(\"tensorwise\")",
-                     "Float8LinearConfig.from_recipe_name(\"rowwise\")")],
+                     "Float8LinearConfig.from_recipe_name(\"rowwise\")"), COMPILE_BLOCKS],
     # inductor tunes each generated kernel's launch parameters (a longer compile)
     "inductor_tuned": [inductor_option("coordinate_descent_tuning")],
     # inductor benchmarks Triton matmul templates against cuBLAS for each matmul shape and keeps
@@ -671,11 +673,6 @@ VARIANTS = {
                     "    torch.backends.cuda.enable_mem_efficient_sdp(False)\n"
                     "    torch.backends.cuda.enable_math_sdp(False)\n"
                     "    torch.backends.cuda.enable_cudnn_sdp(True)\n")],
-    # fp8 with each block compiled on its own, not the whole model: shorter to compile
-    "fp8_blocks": [("    model, parallel = wrap_model(raw_model, cfg, device, use_compile)\n",
-                    "    for block in repeated_blocks(raw_model) if use_compile else []:\n"
-                    "        block.compile()\n"
-                    "    model, parallel = wrap_model(raw_model, cfg, device, False)\n")],
     # the model and the loss compiled as one graph, as nanoGPT's (its forward returns the loss):
     # one compiled call a micro-batch forward and one backward, not two of each
     "loss_in_graph": [
@@ -2056,7 +2053,7 @@ def figures(stage_records):
                      f"{bf16.get('loss_last')}; MFU (against the bf16 peak) fp8 {fp8.get('mfu')}, "
                      f"bf16 {bf16.get('mfu')}")
     compiled = by_stage.get("fp8_compile_llama1p3b_1gpu", {})
-    whole, blocks = compiled.get("ours#fp8"), compiled.get("variant:fp8_blocks#fp8") or {}
+    whole, blocks = compiled.get("ours#fp8"), compiled.get("variant:compile_blocks#fp8") or {}
     if whole:
         row("fp8_whole_vs_blocks_llama1p3b_1gpu_tokens_per_sec", whole.get("tokens_per_sec"),
             "tokens/s", "fp8 with each block compiled on its own, same call",
