@@ -2263,6 +2263,25 @@ def test_the_host_waits_for_the_gpu_once_a_step_after_queuing_its_backward_and_t
     assert steps[steps.index("B"):].startswith("B" + "LLBR" * 4), steps
 
 
+@pytest.mark.parametrize("name", ["train_ddp", "train_fsdp"])
+def test_batches_go_to_the_gpu_from_contiguous_pinned_memory(name, monkeypatch):
+    """A causal micro-batch's inputs and labels are strided slices of one block. pin_memory() keeps
+    the strides, and CUDA's copy of a strided source goes through a contiguous pageable temporary:
+    a copy that waits for the GPU. What on_device pins must be contiguous; the copy is faked here
+    (no GPU), its source recorded."""
+    pinned = []
+    monkeypatch.setattr(torch.Tensor, "pin_memory",
+                        lambda tensor: pinned.append(tensor.is_contiguous()) or tensor)
+    monkeypatch.setattr(torch.Tensor, "to", lambda tensor, *args, **kwargs: tensor)
+    blocks = torch.arange(4 * 9).reshape(4, 9)
+    batch = importlib.import_module(name).on_device(
+        {"input_ids": blocks[:, :-1], "labels": blocks[:, 1:], "attention_mask": None},
+        torch.device("cuda"))
+    assert pinned == [True, True]
+    assert torch.equal(batch["labels"], blocks[:, 1:])
+    assert torch.equal(batch["inputs"]["input_ids"], blocks[:, :-1])
+
+
 # ---- train_ddp.py: gradient reduction ------------------------------------------------------------
 
 # Run once on 2 gloo ranks (reducer_results): DDP and InlineReducer side by side on a tiny GPT-2,

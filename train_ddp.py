@@ -523,8 +523,12 @@ def rank_batches(split_data, position, shuffle_seed, cfg, world_size, rank, devi
 def on_device(batch, device):
     """A micro-batch on the device: the model's inputs and labels, and the input ids on the host."""
     host_input_ids = batch["input_ids"]  # kept on the host: what it holds is known without a wait
-    if device.type == "cuda":  # a copy from pageable memory makes the host wait; from pinned not
-        batch = {key: None if value is None else value.pin_memory().to(device, non_blocking=True)
+    # A copy from pageable memory makes the host wait for the GPU; from pinned memory not. Made
+    # contiguous first: pin_memory() keeps a view's strides (inputs and labels are slices of one
+    # block), and a strided copy goes through a pageable temporary, waiting after all.
+    if device.type == "cuda":
+        batch = {key: None if value is None else
+                 value.contiguous().pin_memory().to(device, non_blocking=True)
                  for key, value in batch.items()}
     labels = batch.pop("labels")
     return {"inputs": batch, "labels": labels, "host_input_ids": host_input_ids}
