@@ -276,8 +276,7 @@ def wrap_model(raw_model, cfg, device, use_compile):
                 "DDPOptimizer takes DDP's first bucket to be 1 MiB and stops when the others are "
                 "smaller -> give dist.bucket_mb=1 or more, or use dist.reducer=inline or "
                 "train.compile=false")
-        # broadcast_buffers=False: these models' buffers are constants every rank builds alike, and
-        # re-broadcasting them before every forward costs a collective (a graph break when compiled)
+        # broadcast_buffers=False: buffers are constants built alike on every rank: no collective
         model = ddp = DDP(raw_model, device_ids=[device.index] if device.type == "cuda" else None,
                           bucket_cap_mb=cfg.dist.bucket_mb, gradient_as_bucket_view=True,
                           broadcast_buffers=False)
@@ -523,13 +522,10 @@ def rank_batches(split_data, position, shuffle_seed, cfg, world_size, rank, devi
 def on_device(batch, device):
     """A micro-batch on the device: the model's inputs and labels, and the input ids on the host."""
     host_input_ids = batch["input_ids"]  # kept on the host: what it holds is known without a wait
-    # A copy from pageable memory makes the host wait for the GPU; from pinned memory not. Made
-    # contiguous first: pin_memory() keeps a view's strides (inputs and labels are slices of one
-    # block), and a strided copy goes through a pageable temporary, waiting after all.
-    if device.type == "cuda":
-        batch = {key: None if value is None else
-                 value.contiguous().pin_memory().to(device, non_blocking=True)
-                 for key, value in batch.items()}
+    if device.type == "cuda":  # pinned and contiguous: a copy from pageable memory, or of a strided
+        # view (pinned, it keeps its strides; CUDA copies it via a pageable temporary), waits
+        batch = {key: None if value is None else value.contiguous().pin_memory().to(
+            device, non_blocking=True) for key, value in batch.items()}
     labels = batch.pop("labels")
     return {"inputs": batch, "labels": labels, "host_input_ids": host_input_ids}
 

@@ -317,8 +317,7 @@ def shard_model(cfg, reader, meta, device, use_compile, param_dtype):
     full_state = source.state_dict() if source is not None else {}
     set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True,
                                                                      broadcast_from_rank0=True))
-    # Buffers are not sharded, and non-persistent ones (rotary frequencies, position ids) are in no
-    # state dict: to_empty left them uninitialised, so they come from rank 0's model too.
+    # buffers: to_empty left them empty, and non-persistent ones are in no state dict: rank 0's
     source_buffers = dict(source.named_buffers()) if source is not None else {}
     for name, buffer in list(model.named_buffers()):
         value = source_buffers[name].to(device) if source is not None else torch.empty_like(
@@ -472,13 +471,10 @@ def rank_batches(split_data, position, shuffle_seed, cfg, world_size, rank, devi
 def on_device(batch, device):
     """A micro-batch on the device: the model's inputs and labels, and the input ids on the host."""
     host_input_ids = batch["input_ids"]  # kept on the host: what it holds is known without a wait
-    # A copy from pageable memory makes the host wait for the GPU; from pinned memory not. Made
-    # contiguous first: pin_memory() keeps a view's strides (inputs and labels are slices of one
-    # block), and a strided copy goes through a pageable temporary, waiting after all.
-    if device.type == "cuda":
-        batch = {key: None if value is None else
-                 value.contiguous().pin_memory().to(device, non_blocking=True)
-                 for key, value in batch.items()}
+    if device.type == "cuda":  # pinned and contiguous: a copy from pageable memory, or of a strided
+        # view (pinned, it keeps its strides; CUDA copies it via a pageable temporary), waits
+        batch = {key: None if value is None else value.contiguous().pin_memory().to(
+            device, non_blocking=True) for key, value in batch.items()}
     labels = batch.pop("labels")
     return {"inputs": batch, "labels": labels, "host_input_ids": host_input_ids}
 
