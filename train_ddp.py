@@ -4,18 +4,11 @@
     bash launch.sh train_ddp.py model.type=vit       # a ViT on images (the digits by default)
     torchrun --nproc_per_node 8 train_ddp.py train.max_steps=1000 optim.lr=3e-4
 
-Read it from the top down to the line "below this, reference machinery you may skip" (before
-line 700): that is the lesson. Run, all that a run changes; main(), the seven sections of a run, a
-few lines each; train_step(), one optimizer step; wrap_model() (DDP, a reducer of ours, or none),
-NaiveReducer and InlineReducer (what DDP does for you); then distributed init, the batch plan, the
-checkpoint's write and resume, validation. Below the line, the reference in main()'s order: config
-(DEFAULTS first; config.yaml, or a .yaml path given first, and section.key=value override them),
-errors, data readers, model and optimizer helpers, the checkpoint's safety details, logging,
-exporters. Optional parts stand in blocks at the end, each with a few lines tagged for it: # MLM
-(masked LMs such as BERT) and # images (ViT classification), each its data's reader with its model
-and batches, # metrics (TensorBoard, Prometheus, NVML, the all-reduces timed), # tiered (an input
-embedding partly in CPU memory), # fp8, # FAULT (fault injection for the tests). A # DDP line is
-this file's alone in a definition train_fsdp.py otherwise shares word for word.
+Read down to the line "below this, reference machinery you may skip": that is the lesson (main(),
+train_step(), DDP and two reducers of ours that show what it does, then distributed init, the batch
+plan, the checkpoint, validation). Optional parts stand in blocks at the end with their tagged lines
+(# MLM, # images, # metrics, # tiered, # fp8, # FAULT); a # DDP line is this file's alone in a
+definition train_fsdp.py otherwise shares word for word.
 """
 
 import contextlib
@@ -203,8 +196,7 @@ def main():
 
 
 def train_step(model, batches, optimizer, scheduler, scaler, setup, run):
-    """One optimizer step over this rank's micro-batches: returns what the log needs, and the next
-    step's batches, built while the GPU runs this backward."""
+    """One optimizer step on this rank's micro-batches: the log's figures, next step's batches."""
     micro_batches, input_tokens, label_tokens, lengths = batches
     optimizer.zero_grad(set_to_none=True)  # here, not after the update: the memory report uses them
     # The gradient must be that of the mean loss over every label token of the global batch, however
@@ -241,9 +233,8 @@ def train_step(model, batches, optimizer, scheduler, scaler, setup, run):
 
 
 def step_verdict(grad_norm, setup, run):
-    """Is the gradient non-finite on some rank, and was some rank asked to stop? One all-reduce:
-    a NaN on one rank reaches all through the gradients, a signal may reach one rank only. Returns
-    both, and the count of bad steps in a row with this one."""
+    """Is the gradient non-finite, was some rank asked to stop (a signal may reach one rank only)?
+    One all-reduce tells every rank; returns both and the bad steps in a row with this one."""
     # filled on the device: no copy from the host
     verdict = torch.full((2,), float(bool(setup.stop_requested)), device=setup.device)
     verdict[0] = grad_norm.isfinite().logical_not()
@@ -264,8 +255,7 @@ def step_verdict(grad_norm, setup, run):
 
 def wrap_model(raw_model, cfg, device, use_compile):
     """The model each step calls, and how gradients reach every rank (`parallel.sync`, `.finish`):
-    DDP's C++ reducer (dist.reducer=torch), InlineReducer (what DDP does) or NaiveReducer. One
-    process needs none: nothing to average, and DDP would split the compiled graph for nothing."""
+    DDP, InlineReducer or NaiveReducer (dist.reducer); one process needs none."""
     nothing = SimpleNamespace(sync=lambda last: contextlib.nullcontext(), finish=lambda: None)
     if dist.get_world_size() == 1:
         return torch.compile(raw_model) if use_compile else raw_model, nothing
@@ -300,9 +290,8 @@ def wrap_model(raw_model, cfg, device, use_compile):
 
 
 class NaiveReducer:
-    """Data parallelism at its plainest (dist.reducer=naive): after the step's last backward, start
-    an all-reduce of every gradient, wait for all, divide. Right, but nothing overlaps backward:
-    InlineReducer starts each bucket of gradients as soon as backward has produced it."""
+    """Data parallelism at its plainest (dist.reducer=naive): after the last backward, all-reduce
+    every gradient, wait, divide. Nothing overlaps backward, as InlineReducer's buckets do."""
 
     def __init__(self, model):
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -332,16 +321,10 @@ class NaiveReducer:
 
 
 class InlineReducer(NaiveReducer):
-    """What DDP does for you, in plain sight (dist.reducer=inline): every rank ends the step with
-    the mean of all ranks' gradients, and the all-reduces run while backward still computes earlier
-    layers.
-
-    Backward produces gradients about in reverse registration order, so parameters are grouped into
-    buckets of dist.bucket_mb in that order. A hook per parameter counts what its bucket still waits
-    for; on the step's last micro-batch a complete bucket is flattened and its
-    all_reduce(async_op=True) starts at once. finish() waits for every bucket, divides by the world
-    size and hands the means to the optimizer as .grad. On the other micro-batches the hooks do
-    nothing: gradients accumulate."""
+    """What DDP does for you, in plain sight (dist.reducer=inline): parameters are grouped into
+    buckets of dist.bucket_mb in reverse order, about backward's; on the step's last micro-batch a
+    bucket's all-reduce starts once backward has produced all its gradients, while backward goes on.
+    finish() waits, divides by the world size and hands the means to the optimizer as .grad."""
 
     def __init__(self, model, cfg):
         super().__init__(model)  # self.params, and rank 0's weights on every rank
@@ -397,10 +380,9 @@ class InlineReducer(NaiveReducer):
 
 
 def bf16_allreduce_hook(process_group, bucket):
-    """DDP's comm hook for dist.grad_compression=bf16: a bucket travels in bf16, half the bytes, and
-    its sum is divided by the world size in fp32, as in InlineReducer. Not torch's
-    bf16_compress_hook: that divides in bf16, and DDP takes a hook of its name only from a torch
-    built with CUDA and NCCL."""
+    """DDP's comm hook for dist.grad_compression=bf16: a bucket travels in bf16, its sum is divided
+    in fp32. Not torch's bf16_compress_hook: that divides in bf16, and DDP takes a hook of that name
+    only from a torch built with CUDA and NCCL."""
     buffer = bucket.buffer()
     work = dist.all_reduce(buffer.to(torch.bfloat16), group=process_group, async_op=True)
     return work.get_future().then(
@@ -435,9 +417,8 @@ def init_distributed(cfg, world_size, rank, use_cuda):
 
 
 def on_rank0(function, *args, share_result=True):
-    """Run `function` on rank 0 alone and hand its result to every rank (share_result=False: the
-    others get None); if it fails, every rank stops with its message: a failure on rank 0 alone
-    would leave the others waiting in their next collective until the timeout."""
+    """Run `function` on rank 0 alone and give every rank its result (share_result=False: None);
+    if it fails, every rank stops with its message, not waiting for rank 0 until the timeout."""
     result, outcome = None, [None, None]
     if dist.get_rank() == 0:
         try:
@@ -483,9 +464,8 @@ def epoch_permutation(seed, epoch, num_samples):
 
 
 def global_batch(position, global_batch_size, num_samples, seed):
-    """The sample ids and epochs of the global batch at `position`: the samples consumed so far over
-    all ranks and epochs, so a run resumed on another number of ranks goes on with exactly the
-    samples the old run would have seen. seed=None reads samples in order (validation)."""
+    """Sample ids and epochs of the global batch at `position`, counted over all ranks: a resumed
+    run sees the same samples on any number of ranks. seed=None reads in order (validation)."""
     epochs, indices = np.divmod(np.arange(position, position + global_batch_size), num_samples)
     sample_ids = indices if seed is None else np.array(
         [epoch_permutation(seed, e, num_samples)[i] for e, i in zip(epochs, indices)])
@@ -508,9 +488,8 @@ def step_batches(setup, position):
 
 
 def rank_batches(split_data, position, shuffle_seed, cfg, world_size, rank, device):
-    """This rank's micro-batches of the global batch at sample `position`, and the input and label
-    token counts of the whole global batch and each micro-batch's sample lengths (for its FLOPs):
-    every rank computes these alike from the shared plan."""
+    """This rank's micro-batches at sample `position`, and what every rank computes alike from the
+    plan: the global batch's input and label token counts, each sample's length (for FLOPs)."""
     plan = split_data.plan(position, shuffle_seed, cfg, world_size)
     lengths = [[split_data.length(int(i)) for i in ids]
                for rank_plan in plan for ids, _ in rank_plan]
@@ -657,9 +636,8 @@ def load_weights(path, raw_model, optimizer):
 # -------------------------------------------------------------------------- validation (section 7)
 
 def validate(model, val_data, setup, step):
-    """The mean loss per label and the top-1 accuracy over the same validation batches every time,
-    each rank doing its share: rank 0 alone would be world_size times slower, and would hang the
-    others if the forward communicates (FSDP all-gathers weights) or outlasts dist.timeout_s."""
+    """Mean loss per label and top-1 accuracy over the same batches each time, every rank its share:
+    rank 0 alone would be slower, and hang the others if the forward communicates (FSDP)."""
     model.eval()
     batches = val_data.validation_batches(setup.cfg)
     global_batch = setup.cfg.train.global_batch_size

@@ -4,17 +4,12 @@
     bash launch.sh train_fsdp.py model.type=vit      # a ViT on images (the digits by default)
     torchrun --nproc_per_node 8 train_fsdp.py train.max_steps=1000 optim.lr=3e-4
 
-This is train_ddp.py with the parallelism swapped: `diff train_ddp.py train_fsdp.py` shows what FSDP
-changes. Each rank keeps 1/world_size of the weights, gradients and AdamW state: a block's weights
-are all-gathered just before its forward (and backward) and freed after, its gradients
-reduce-scattered. The model is built on the meta device and filled from rank 0, so it never has to
-fit on one GPU; every rank writes its part of a checkpoint (torch.distributed.checkpoint), which
-loads on any number of ranks. Pick FSDP when the weights, gradients and AdamW state (16 bytes per
-parameter) do not fit on one GPU. The lesson runs from the top to the line "below this, reference
-machinery you may skip" (before line 700): Run; main(); train_step(); shard_model() and
-gradient_sync(); distributed init, the batch plan, the sharded checkpoint, validation. Below it the
-reference in main()'s order, as in train_ddp.py; at the end the optional blocks, each with a few
-lines tagged for it: # MLM, # images, # metrics (TensorBoard, Prometheus, NVML), # fp8, # FAULT.
+train_ddp.py with the parallelism swapped (`diff train_ddp.py train_fsdp.py`): each rank keeps
+1/world_size of the weights, gradients and AdamW state; pick it when those (16 bytes a parameter) do
+not fit on one GPU. A block's weights are all-gathered just before its forward and backward, its
+gradients reduce-scattered; every rank writes its part of a checkpoint, which loads on any number of
+ranks. Read down to the line "below this, reference machinery you may skip": that is the lesson.
+Optional blocks at the end, each with its tagged lines: # MLM, # images, # metrics, # fp8, # FAULT.
 """
 
 import contextlib
@@ -212,8 +207,7 @@ def main():
 
 
 def train_step(model, batches, optimizer, scheduler, scaler, setup, run):
-    """One optimizer step over this rank's micro-batches: returns what the log needs, and the next
-    step's batches, built while the GPU runs this backward."""
+    """One optimizer step on this rank's micro-batches: the log's figures, next step's batches."""
     micro_batches, input_tokens, label_tokens, lengths = batches
     optimizer.zero_grad(set_to_none=True)  # here, not after the update: the memory report uses them
     # The gradient must be that of the mean loss over every label token of the global batch, however
@@ -250,9 +244,8 @@ def train_step(model, batches, optimizer, scheduler, scaler, setup, run):
 
 
 def step_verdict(grad_norm, setup, run):
-    """Is the gradient non-finite on some rank, and was some rank asked to stop? One all-reduce:
-    a NaN on one rank reaches all through the gradients, a signal may reach one rank only. Returns
-    both, and the count of bad steps in a row with this one."""
+    """Is the gradient non-finite, was some rank asked to stop (a signal may reach one rank only)?
+    One all-reduce tells every rank; returns both and the bad steps in a row with this one."""
     # filled on the device: no copy from the host
     verdict = torch.full((2,), float(bool(setup.stop_requested)), device=setup.device)
     verdict[0] = grad_norm.isfinite().logical_not()
@@ -385,9 +378,8 @@ def init_distributed(cfg, world_size, rank, use_cuda):
 
 
 def on_rank0(function, *args, share_result=True):
-    """Run `function` on rank 0 alone and hand its result to every rank (share_result=False: the
-    others get None); if it fails, every rank stops with its message: a failure on rank 0 alone
-    would leave the others waiting in their next collective until the timeout."""
+    """Run `function` on rank 0 alone and give every rank its result (share_result=False: None);
+    if it fails, every rank stops with its message, not waiting for rank 0 until the timeout."""
     result, outcome = None, [None, None]
     if dist.get_rank() == 0:
         try:
@@ -433,9 +425,8 @@ def epoch_permutation(seed, epoch, num_samples):
 
 
 def global_batch(position, global_batch_size, num_samples, seed):
-    """The sample ids and epochs of the global batch at `position`: the samples consumed so far over
-    all ranks and epochs, so a run resumed on another number of ranks goes on with exactly the
-    samples the old run would have seen. seed=None reads samples in order (validation)."""
+    """Sample ids and epochs of the global batch at `position`, counted over all ranks: a resumed
+    run sees the same samples on any number of ranks. seed=None reads in order (validation)."""
     epochs, indices = np.divmod(np.arange(position, position + global_batch_size), num_samples)
     sample_ids = indices if seed is None else np.array(
         [epoch_permutation(seed, e, num_samples)[i] for e, i in zip(epochs, indices)])
@@ -457,9 +448,8 @@ def step_batches(setup, position):
 
 
 def rank_batches(split_data, position, shuffle_seed, cfg, world_size, rank, device):
-    """This rank's micro-batches of the global batch at sample `position`, and the input and label
-    token counts of the whole global batch and each micro-batch's sample lengths (for its FLOPs):
-    every rank computes these alike from the shared plan."""
+    """This rank's micro-batches at sample `position`, and what every rank computes alike from the
+    plan: the global batch's input and label token counts, each sample's length (for FLOPs)."""
     plan = split_data.plan(position, shuffle_seed, cfg, world_size)
     lengths = [[split_data.length(int(i)) for i in ids]
                for rank_plan in plan for ids, _ in rank_plan]
@@ -663,9 +653,8 @@ def load_weights(path, raw_model, optimizer):
 # -------------------------------------------------------------------------- validation (section 7)
 
 def validate(model, val_data, setup, step):
-    """The mean loss per label and the top-1 accuracy over the same validation batches every time,
-    each rank doing its share: rank 0 alone would be world_size times slower, and would hang the
-    others if the forward communicates (FSDP all-gathers weights) or outlasts dist.timeout_s."""
+    """Mean loss per label and top-1 accuracy over the same batches each time, every rank its share:
+    rank 0 alone would be slower, and hang the others if the forward communicates (FSDP)."""
     model.eval()
     batches = val_data.validation_batches(setup.cfg)
     global_batch = setup.cfg.train.global_batch_size
