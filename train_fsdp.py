@@ -257,8 +257,7 @@ def step_verdict(grad_norm, setup, run):
         log0(f"step {run.step + 1} | non-finite gradient: update skipped ({in_a_row} in a row)")
     if in_a_row >= setup.cfg.train.max_bad_steps:
         die(f"{in_a_row} steps in a row had a non-finite gradient (train.max_bad_steps="
-            f"{setup.cfg.train.max_bad_steps}); no update was made from them and no checkpoint "
-            "holds them -> lower optim.lr or raise optim.warmup_steps, and check the data")
+            f"{setup.cfg.train.max_bad_steps}) -> lower optim.lr or raise optim.warmup_steps")
     return bad, stop, in_a_row
 
 
@@ -595,8 +594,7 @@ def resume(resume_dir, raw_model, optimizer, scheduler, scaler, cfg, meta):
     run = Run(step=state["step"], position=state["samples_seen"], tokens_seen=state["tokens_seen"])
     if run.step >= cfg.train.max_steps:
         die(f"{resume_dir} is at step {run.step}, train.max_steps is {cfg.train.max_steps}: "
-            "nothing left to train -> raise train.max_steps to go on, or start afresh in a new "
-            "checkpoint.dir")
+            "nothing left to train -> raise train.max_steps, or use a new checkpoint.dir")
     restore_rng(state["rng"], dist.get_rank(), cfg.train.seed, run.step)
     apply_settings(optimizer, scheduler, cfg, run.step)
     changed = changed_settings(state["config"], cfg)
@@ -620,14 +618,13 @@ def load_train_state(path, scheduler, scaler, cfg, meta):
         check_classes(train_state, meta, path, cfg)  # images
         if vocab_size != meta.get("vocab_size"):
             die(f"checkpoint {path} was trained on data of {vocab_size:,} tokens' vocabulary, "
-                f"{cfg.data.dir} has {meta['vocab_size']:,} -> give the data.dir it was trained "
-                "on, or start afresh in another checkpoint.dir")
+                f"{cfg.data.dir} has {meta['vocab_size']:,} -> give its data.dir, or a new "
+                "checkpoint.dir")
         for key, before_it_existed in MODEL_KEYS.items():
             saved = saved_config.get(key, before_it_existed)
             if saved != this_config[key]:
                 die(f"checkpoint {path} was trained with {key}={saved}, this run has "
-                    f"{key}={this_config[key]} -> pass {key}={saved}, or use another "
-                    "checkpoint.dir")
+                    f"{key}={this_config[key]} -> pass {key}={saved}, or a new checkpoint.dir")
         scheduler.load_state_dict(train_state["scheduler"])
         scaler.load_state_dict(train_state["scaler"])
     except LOAD_ERRORS as error:
@@ -1367,9 +1364,8 @@ def find_resume_checkpoint(ckpt_dir, resume):
         shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
     existing = complete_checkpoints(ckpt_dir)
     if resume == "never" and existing:
-        die(f"{ckpt_dir} already holds checkpoints ({existing[-1].name}) and "
-            "checkpoint.resume=never would overwrite them -> continue with checkpoint.resume=auto "
-            "or choose another checkpoint.dir")
+        die(f"{ckpt_dir} already holds checkpoints ({existing[-1].name}), checkpoint.resume=never "
+            "would overwrite them -> use checkpoint.resume=auto, or another checkpoint.dir")
     if resume in ("auto", "never"):
         pointer = ckpt_dir / "latest"
         pointed = [ckpt_dir / pointer.read_text().strip()] if pointer.is_file() else []
@@ -1998,9 +1994,8 @@ def vit_config(cfg, meta):
     if cfg.model.pretrained:
         config = load_pretrained_config(cfg.model.pretrained)
         if config.image_size != size:
-            die(f"{cfg.model.pretrained} was trained on {config.image_size}-pixel images, "
-                f"{cfg.data.dir} holds {size}-pixel ones -> prepare them with --image-size "
-                f"{config.image_size}")
+            die(f"{cfg.model.pretrained} knows {config.image_size}-pixel images, {cfg.data.dir} "
+                f"holds {size}-pixel ones -> prepare them with --image-size {config.image_size}")
         config.update(labels)
         return config
     patch = cfg.model.patch_size or min(16, size // 4)  # 16 as ViT-B/16; 4 x 4 patches at least
