@@ -137,8 +137,7 @@ def main():
     lock = on_rank0(hold_directory, ckpt_dir, cfg.checkpoint.every > 0, share_result=False)
     if world_size > 1 and cfg.checkpoint.every > 0:  # every rank must see what rank 0 writes
         check_shared_directory(ckpt_dir)
-    # Rank 0 alone picks the checkpoint: ranks that listed the directory themselves could see
-    # different files (network filesystems cache listings) and would train different weights.
+    # rank 0 alone picks it: network filesystems cache listings, so ranks could see other files
     resume_dir = on_rank0(find_resume_checkpoint, ckpt_dir, cfg.checkpoint.resume)
     run = Run() if resume_dir is None else resume(resume_dir, raw_model, optimizer, scheduler,
                                                   scaler, cfg, meta)
@@ -277,12 +276,10 @@ def wrap_model(raw_model, cfg, device, use_compile):
     if hook is not None:  # DDP calls it for each bucket in place of its own all-reduce
         ddp.register_comm_hook(None, hook)
     if use_compile and inline:
-        # Block by block: the backward of one compiled graph is one autograd node, whose gradients
-        # all appear at its end; then no all-reduce could overlap it.
+        # block by block: one compiled graph's gradients all appear at its end, overlapping nothing
         for block in repeated_blocks(raw_model) or [raw_model]:
             block.compile()
-    # Under torch.compile, Dynamo splits DDP's graph at its buckets (DDPOptimizer), so a bucket's
-    # all-reduce starts while backward still computes the layers before it.
+    # Dynamo splits DDP's graph at its buckets (DDPOptimizer): all-reduces overlap the backward
     return torch.compile(model) if use_compile and not inline else model, parallel
 
 
@@ -292,8 +289,7 @@ class NaiveReducer:
 
     def __init__(self, model):
         self.params = [p for p in model.parameters() if p.requires_grad]
-        # every rank starts from rank 0's weights, as DDP's constructor makes sure: ranks that
-        # differed would train different models on averaged gradients, silently
+        # rank 0's weights on every rank, as DDP makes sure: else ranks would drift apart, silently
         for tensor in [*model.parameters(), *model.buffers()]:
             dist.broadcast(tensor.detach(), src=0)
 
@@ -311,8 +307,7 @@ class NaiveReducer:
         return dist.all_reduce(flat, async_op=True)
 
     def wait(self, works):
-        # Without wait() nothing orders the sum before the optimizer reads it: on a GPU the compute
-        # stream then waits for the communication stream; on gloo the host waits.
+        # orders the sum before the optimizer reads it (a GPU's compute stream waits; gloo's host)
         for work in works:
             work.wait()
 
@@ -333,8 +328,7 @@ class InlineReducer(NaiveReducer):
                 filled = 0
             self.buckets[-1].append(param)
             filled += param.numel() * param.element_size()
-            # runs once autograd has added this backward's gradient into param.grad (a tied weight:
-            # once, with the sum)
+            # runs once this backward's gradient is in param.grad (a tied weight: once, the sum)
             param.register_post_accumulate_grad_hook(
                 functools.partial(self.gradient_ready, len(self.buckets) - 1))
         self.reduce_in_backward = False  # set by sync(): true on the step's last micro-batch
@@ -604,8 +598,8 @@ def load_train_state(path, scheduler, scaler, cfg, meta):
         check_classes(train_state, meta, path, cfg)  # images
         if vocab_size != meta.get("vocab_size"):
             die(f"checkpoint {path} was trained on data of {vocab_size:,} tokens' vocabulary, "
-                f"{cfg.data.dir} has {meta['vocab_size']:,} -> give its data.dir, or a new "
-                "checkpoint.dir")
+                f"{cfg.data.dir} has {meta['vocab_size']:,} -> give the data.dir it was trained "
+                "on, or start afresh in another checkpoint.dir")
         for key, before_it_existed in MODEL_KEYS.items():
             saved = saved_config.get(key, before_it_existed)
             if saved != this_config[key]:
@@ -725,8 +719,7 @@ RANGES = {
 
 
 class ConfigLoader(yaml.SafeLoader):
-    """YAML as a config means it: 3e-4 is a float; 010, 0x10, 1:30, yes and off stay strings (YAML
-    1.1 reads numbers and booleans); a key given twice is an error, not a silent replacement."""
+    """YAML as a config means it: 3e-4 a float, 010 and yes strings, a key given twice an error."""
 
     def construct_mapping(self, node, deep=False):
         seen_at = {}
@@ -759,8 +752,7 @@ PREPROCESS_KEYS = {"data.vocab_size": "--vocab-size", "data.val_fraction": "--va
 
 
 def load_config(args, use_cuda):
-    """DEFAULTS, then config.yaml (or the .yaml given first), then key=value arguments; a preset
-    sets only the keys both left at their defaults, and says which."""
+    """DEFAULTS, config.yaml (or a .yaml given first), key=value; a preset fills keys left alone."""
     defaults = flatten(DEFAULTS)
     flat, presets = dict(defaults), dict(PRESETS)
     config_path = Path(__file__).with_name("config.yaml")
@@ -1314,8 +1306,7 @@ def tensor_bytes(state):
 
 
 def hold_directory(ckpt_dir, writing):
-    """An advisory lock on ckpt_dir/.lock, released when the process ends however it ends: a
-    second run stops before it touches anything, a dead holder never blocks. Returns the file."""
+    """A lock on ckpt_dir/.lock: a second run stops; a dead run's lock is gone with its process."""
     if not writing and not ckpt_dir.is_dir():
         return None
     try:
@@ -1342,8 +1333,7 @@ def hold_directory(ckpt_dir, writing):
 
 
 def find_resume_checkpoint(ckpt_dir, resume):
-    """resume=auto: the newest intact checkpoint (the `latest` pointer first, then newest to oldest:
-    a damaged one is passed over, and the log says so); never; or a path, which must be intact."""
+    """auto: the newest intact checkpoint (`latest` first, damaged ones skipped); never; a path."""
     for leftover in [*ckpt_dir.glob(".tmp-step_*"), *ckpt_dir.glob(".latest-*")]:
         log0(f"removing {leftover}, left by a run that stopped while writing a checkpoint")
         shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
@@ -1644,8 +1634,7 @@ def write_metrics(setup, record):
 
 
 class SpanTimer:
-    """`with timer:` sums a span over a log interval without a wait for the GPU: on a GPU two CUDA
-    events time it as the GPU lives it (the host runs ahead); on a CPU the host's clock."""
+    """`with timer:` sums a span over a log interval without a host wait (CUDA events on a GPU)."""
 
     def __init__(self, device):
         self.on_gpu, self.host_s, self.recorded, self.spare = device.type == "cuda", 0.0, [], []
@@ -2409,8 +2398,7 @@ class TieredEmbedding(torch.nn.Module):
         self.set_tiers(hot_ids, weight.shape[0])
         self.hot_weight = torch.nn.Parameter(weight[self.hot_ids].clone())
         self.rows = None  # this step's CPU rows on the GPU: a parameter from forward to step()
-        # plain attributes: model.to() leaves them in CPU memory, DDP ignores them, the state dict
-        # gets them from get_extra_state
+        # plain attributes: model.to() and DDP leave them be; get_extra_state saves them
         self.cold_weight = weight[self.cold_ids].clone()
         self.cold_exp_avg = torch.zeros_like(self.cold_weight)
         self.cold_exp_avg_sq = torch.zeros_like(self.cold_weight)
@@ -2719,8 +2707,7 @@ def save_fault(step):
 
 
 def ended_attempt(code=None, line=None):
-    """A torchrun restart cannot undo a stop or a mistake: an attempt that ended so notes it (a
-    file named after torchrun's PID), and the next one ends alike at once."""
+    """A restart can't undo a stop or mistake: an ending attempt notes it, the next ends alike."""
     note = Path(tempfile.gettempdir()) / f"train-ended-{os.getppid()}.json"
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "-1"))
     if code is not None and restarts >= 0:

@@ -142,8 +142,7 @@ def main():
     lock = on_rank0(hold_directory, ckpt_dir, cfg.checkpoint.every > 0, share_result=False)
     if world_size > 1 and cfg.checkpoint.every > 0:  # every rank must see what rank 0 writes
         check_shared_directory(ckpt_dir)
-    # Rank 0 alone picks the checkpoint: ranks that listed the directory themselves could see
-    # different files (network filesystems cache listings) and would train different weights.
+    # rank 0 alone picks it: network filesystems cache listings, so ranks could see other files
     resume_dir = on_rank0(find_resume_checkpoint, ckpt_dir, cfg.checkpoint.resume)
     run = Run() if resume_dir is None else resume(resume_dir, raw_model, optimizer, scheduler,
                                                   scaler, cfg, meta)
@@ -618,8 +617,8 @@ def load_train_state(path, scheduler, scaler, cfg, meta):
         check_classes(train_state, meta, path, cfg)  # images
         if vocab_size != meta.get("vocab_size"):
             die(f"checkpoint {path} was trained on data of {vocab_size:,} tokens' vocabulary, "
-                f"{cfg.data.dir} has {meta['vocab_size']:,} -> give its data.dir, or a new "
-                "checkpoint.dir")
+                f"{cfg.data.dir} has {meta['vocab_size']:,} -> give the data.dir it was trained "
+                "on, or start afresh in another checkpoint.dir")
         for key, before_it_existed in MODEL_KEYS.items():
             saved = saved_config.get(key, before_it_existed)
             if saved != this_config[key]:
@@ -743,8 +742,7 @@ RANGES = {
 
 
 class ConfigLoader(yaml.SafeLoader):
-    """YAML as a config means it: 3e-4 is a float; 010, 0x10, 1:30, yes and off stay strings (YAML
-    1.1 reads numbers and booleans); a key given twice is an error, not a silent replacement."""
+    """YAML as a config means it: 3e-4 a float, 010 and yes strings, a key given twice an error."""
 
     def construct_mapping(self, node, deep=False):
         seen_at = {}
@@ -777,8 +775,7 @@ PREPROCESS_KEYS = {"data.vocab_size": "--vocab-size", "data.val_fraction": "--va
 
 
 def load_config(args, use_cuda):
-    """DEFAULTS, then config.yaml (or the .yaml given first), then key=value arguments; a preset
-    sets only the keys both left at their defaults, and says which."""
+    """DEFAULTS, config.yaml (or a .yaml given first), key=value; a preset fills keys left alone."""
     defaults = flatten(DEFAULTS)
     flat, presets = dict(defaults), dict(PRESETS)
     config_path = Path(__file__).with_name("config.yaml")
@@ -1329,8 +1326,7 @@ def tensor_bytes(state):
 
 
 def hold_directory(ckpt_dir, writing):
-    """An advisory lock on ckpt_dir/.lock, released when the process ends however it ends: a
-    second run stops before it touches anything, a dead holder never blocks. Returns the file."""
+    """A lock on ckpt_dir/.lock: a second run stops; a dead run's lock is gone with its process."""
     if not writing and not ckpt_dir.is_dir():
         return None
     try:
@@ -1357,8 +1353,7 @@ def hold_directory(ckpt_dir, writing):
 
 
 def find_resume_checkpoint(ckpt_dir, resume):
-    """resume=auto: the newest intact checkpoint (the `latest` pointer first, then newest to oldest:
-    a damaged one is passed over, and the log says so); never; or a path, which must be intact."""
+    """auto: the newest intact checkpoint (`latest` first, damaged ones skipped); never; a path."""
     for leftover in [*ckpt_dir.glob(".tmp-step_*"), *ckpt_dir.glob(".latest-*")]:
         log0(f"removing {leftover}, left by a run that stopped while writing a checkpoint")
         shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
@@ -1657,8 +1652,7 @@ def write_metrics(setup, record):
 
 
 class SpanTimer:
-    """`with timer:` sums a span over a log interval without a wait for the GPU: on a GPU two CUDA
-    events time it as the GPU lives it (the host runs ahead); on a CPU the host's clock."""
+    """`with timer:` sums a span over a log interval without a host wait (CUDA events on a GPU)."""
 
     def __init__(self, device):
         self.on_gpu, self.host_s, self.recorded, self.spare = device.type == "cuda", 0.0, [], []
@@ -2382,8 +2376,7 @@ def save_fault(step):
 
 
 def ended_attempt(code=None, line=None):
-    """A torchrun restart cannot undo a stop or a mistake: an attempt that ended so notes it (a
-    file named after torchrun's PID), and the next one ends alike at once."""
+    """A restart can't undo a stop or mistake: an ending attempt notes it, the next ends alike."""
     note = Path(tempfile.gettempdir()) / f"train-ended-{os.getppid()}.json"
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "-1"))
     if code is not None and restarts >= 0:
