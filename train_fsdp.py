@@ -263,13 +263,10 @@ def step_verdict(grad_norm, setup, run):
 # ----------------------------------------------------------------------------- the parallelism
 
 def shard_model(cfg, reader, meta, device, use_compile, param_dtype):
-    """The model, sharded: fully_shard on each transformer block, then on the root (the embeddings,
-    the final norm, the output layer). Rank 0 alone builds the whole model, in CPU memory; every
-    rank builds it again on the meta device (shapes, no memory), shards it and fills its shards from
-    rank 0's: the model never has to fit on one GPU, and its first weights are the same on any
-    number of ranks."""
-    # one rank (without CPU offload) trains the model whole: FSDP's per-block gathers and DTensor
-    # dispatch would only add host time; its DCP checkpoints still trade with any number of ranks
+    """fully_shard on each block, then on the root. Rank 0 alone builds the model, in CPU memory;
+    every rank builds it on the meta device, shards it and fills its shards from rank 0's: the model
+    never has to fit on one GPU, and starts alike on any number of ranks."""
+    # one rank (no CPU offload) trains it whole: sharding adds host time; checkpoints stay DCP's
     if dist.get_world_size() == 1 and not cfg.fsdp.cpu_offload:
         model, attention = build_model(cfg, reader, meta, device)
         train_in_fp8(model, cfg, device, use_compile, sharded=False)  # fp8
@@ -326,9 +323,8 @@ def shard_model(cfg, reader, meta, device, use_compile, param_dtype):
 
 
 def gradient_sync(raw_model, use_compile):
-    """The model each step calls, and FSDP's side of a step: on all but the last micro-batch no
-    reduce-scatter; gradients then accumulate unsharded (a full gradient per rank until the last
-    micro-batch). The whole model of one rank is compiled whole: nothing to sync."""
+    """The model each step calls, and FSDP's side of a step: no reduce-scatter but on the last
+    micro-batch (gradients accumulate unsharded until then); one rank's model syncs nothing."""
     if not isinstance(raw_model, FSDPModule):
         nothing = SimpleNamespace(sync=lambda last: contextlib.nullcontext())
         return torch.compile(raw_model) if use_compile else raw_model, nothing
@@ -341,8 +337,7 @@ def gradient_sync(raw_model, use_compile):
 
 
 def local(tensor, whole=False):
-    """This rank's shard of a sharded tensor (whole=True: all shards, alike on every rank); one
-    rank's unsharded tensor as it is."""
+    """This rank's shard of a DTensor (whole=True: the whole tensor); other tensors as they are."""
     if not isinstance(tensor, DTensor):
         return tensor
     return tensor.full_tensor() if whole else tensor.to_local()
@@ -470,10 +465,8 @@ def on_device(batch, device):
 # ---------------------------------------------------------------------- the checkpoint (section 6)
 
 def save_checkpoint(setup, run, optimizer, scheduler, scaler, async_group, wait=True):
-    """Every rank writes its shards of the model and the optimizer into one temporary directory
-    (torch.distributed.checkpoint), rank 0 train_state(); finish_checkpoint publishes it. With an
-    async_group (checkpoint.async_save) and not `wait`, the shards are copied to CPU memory here
-    and written by a background thread while training goes on."""
+    """Every rank writes its shards of model and optimizer (DCP), rank 0 train_state(); with an
+    async_group and not `wait`, a background thread writes them from a copy in CPU memory."""
     finish_checkpoint()  # the one before, if still being written: published first
     state, ckpt_dir = train_state(setup, run, scheduler, scaler), Path(setup.cfg.checkpoint.dir)
     final = step_dir(ckpt_dir, run.step)
@@ -515,8 +508,7 @@ def train_state(setup, run, scheduler, scaler):
             "vocab_size": setup.meta.get("vocab_size")}
 
 
-# a checkpoint being written in the background: published before the next one is started and
-# before the run ends, however it ends (finish_checkpoint)
+# a checkpoint being written in the background: published before the next starts and the run ends
 IN_FLIGHT = []
 
 
@@ -633,8 +625,7 @@ def load_train_state(path, scheduler, scaler, cfg, meta):
 
 
 def load_weights(path, raw_model, optimizer):
-    """The sharded model and optimizer state of a checkpoint written on any number of ranks: each
-    rank reads the pieces its shards need. Collective: every rank calls it."""
+    """Each rank reads the pieces its shards need, however many ranks wrote them; collective."""
     model_state, optimizer_state = get_state_dict(raw_model, optimizer)
     shards = {"model": model_state, "optimizer": optimizer_state}
     try:
