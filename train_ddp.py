@@ -514,8 +514,7 @@ def train_state(setup, run, scheduler, scaler):
     """All a run needs to go on exactly beside the weights and the optimizer: step, data position,
     every rank's random state, schedule, grad scaler, config; collective."""
     if not weights_are_finite(setup.raw_model):  # skipped steps keep this from happening
-        die(f"the weights are not finite at step {run.step}: no checkpoint written -> lower "
-            "optim.lr")
+        die(f"the weights are not finite at step {run.step}: not saved -> lower optim.lr")
     cuda = {"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {}
     rng_states = [None] * dist.get_world_size()
     dist.all_gather_object(rng_states, {"torch": torch.get_rng_state(), **cuda})
@@ -869,8 +868,7 @@ def check_config(cfg, world_size):
             die(f"{key}={values[key]} is {OTHER_TRAINER}'s ({reason}) -> use {OTHER_TRAINER}, or "
                 f"leave {key} at {defaults[key]}")
     if cfg.optim.min_lr > cfg.optim.lr:
-        die(f"optim.min_lr={cfg.optim.min_lr} is above optim.lr={cfg.optim.lr} -> the decay ends "
-            "at min_lr: lower it")
+        die(f"optim.min_lr={cfg.optim.min_lr} is above optim.lr={cfg.optim.lr} -> lower min_lr")
     if not cfg.model.pretrained and cfg.model.n_embd % cfg.model.n_head:
         die(f"model.n_embd={cfg.model.n_embd} is not divisible by model.n_head={cfg.model.n_head} "
             "-> change one of them")
@@ -1313,8 +1311,7 @@ def hold_directory(ckpt_dir, writing):
         ckpt_dir.mkdir(parents=True, exist_ok=True)
         lock = open(ckpt_dir / ".lock", "a+")
     except OSError as error:
-        die(f"cannot write to checkpoint.dir={ckpt_dir} ({error}) -> set checkpoint.dir to a "
-            "writable directory")
+        die(f"cannot write to checkpoint.dir={ckpt_dir} ({error}) -> give a writable directory")
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -1350,8 +1347,7 @@ def find_resume_checkpoint(ckpt_dir, resume):
                 return candidate
             log0(f"warning: {candidate} is damaged ({damage}); trying the next older checkpoint")
         if existing:
-            die(f"every checkpoint in {ckpt_dir} is damaged -> move them away to start afresh, or "
-                "restore one")
+            die(f"every checkpoint in {ckpt_dir} is damaged -> move them away, or restore one")
         return None
     if not is_complete(Path(resume)):
         die(f"checkpoint.resume={resume} is not a complete checkpoint directory (needs "
@@ -1432,8 +1428,7 @@ def check_shared_directory(ckpt_dir):
         try:
             marker.write_text(token)  # into the directory hold_directory made
         except OSError as error:
-            die(f"cannot write to checkpoint.dir={ckpt_dir} ({error}) -> set checkpoint.dir to a "
-                "writable directory")
+            die(f"cannot write to checkpoint.dir={ckpt_dir} ({error}) -> give a writable directory")
 
     def check_marker():
         if not marker.is_file() or marker.read_text() != token:
@@ -1673,8 +1668,7 @@ def peak_flops_per_gpu(device, peak_tflops):
         return peak_tflops * 1e12 if device.type == "cuda" else None
     name = torch.cuda.get_device_name(device)
     if name not in PEAK_BF16_TFLOPS:
-        log0(f"note: no MFU: the bf16 peak of '{name}' is not in PEAK_BF16_TFLOPS -> set "
-             "log.peak_tflops")
+        log0(f"note: no MFU: '{name}' is not in PEAK_BF16_TFLOPS -> set log.peak_tflops")
     return PEAK_BF16_TFLOPS[name] * 1e12 if name in PEAK_BF16_TFLOPS else None
 
 
