@@ -492,8 +492,7 @@ def save_checkpoint(setup, run, optimizer, scheduler, scaler, async_group, wait=
 
 
 def train_state(setup, run, scheduler, scaler):
-    """All a run needs to go on exactly beside the weights and the optimizer: step, data position,
-    every rank's random state, schedule, grad scaler, config; collective."""
+    """All a run needs to go on exactly, beside the weights and the optimizer; collective."""
     if not weights_are_finite(setup.raw_model):  # skipped steps keep this from happening
         die(f"the weights are not finite at step {run.step}: not saved -> lower optim.lr")
     cuda = {"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {}
@@ -1246,9 +1245,8 @@ def memory_prediction(raw_model, device):
             weights += local.numel() * local.element_size()
             trained += local.numel() * local.element_size() if parameter.requires_grad else 0
     mib = [size / 2**20 for size in (weights, trained, 2 * trained)]
-    log0(f"memory per rank, predicted from the parameters' counts and dtypes: weights "
-         f"{mib[0]:,.1f} MiB, gradients {mib[1]:,.1f} MiB, AdamW state {mib[2]:,.1f} MiB on "
-         f"{device.type}; activations are measured at step 2")
+    log0(f"memory per rank, predicted: weights {mib[0]:,.1f} MiB, gradients {mib[1]:,.1f} MiB, "
+         f"AdamW state {mib[2]:,.1f} MiB on {device.type}; activations are measured at step 2")
     return {"weights": weights, "gradients": trained, "optimizer": 2 * trained}
 
 
