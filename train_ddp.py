@@ -1487,7 +1487,6 @@ class Interval:
         self.loss_sum.zero_()
 
     def add_step(self, result, flops_of):
-        """A finished step (train_step's result): its tokens, FLOPs and loss are counted."""
         self.steps, self.input_tokens = self.steps + 1, self.input_tokens + result.input_tokens
         self.flops += flops_of(result.lengths)
         self.skipped += result.bad
