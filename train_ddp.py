@@ -285,7 +285,7 @@ def wrap_model(raw_model, cfg, device, use_compile):
 
 class NaiveReducer:
     """Data parallelism at its plainest (dist.reducer=naive): after the last backward, all-reduce
-    every gradient, wait, divide. Nothing overlaps backward, as InlineReducer's buckets do."""
+    every gradient, wait, divide. Nothing overlaps backward; InlineReducer's buckets do."""
 
     def __init__(self, model):
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -307,15 +307,15 @@ class NaiveReducer:
         return dist.all_reduce(flat, async_op=True)
 
     def wait(self, works):
-        # orders the sum before the optimizer reads it (a GPU's compute stream waits; gloo's host)
+        # orders the sum before the optimizer reads it: the compute stream waits, or gloo's host
         for work in works:
             work.wait()
 
 
 class InlineReducer(NaiveReducer):
     """What DDP does for you, in plain sight (dist.reducer=inline): parameters are grouped into
-    buckets of dist.bucket_mb in reverse order, about backward's; on the step's last micro-batch a
-    bucket's all-reduce starts once backward has produced all its gradients, while backward goes on.
+    buckets of dist.bucket_mb in reverse registration order (about backward's); in the step's last
+    backward a bucket's all-reduce starts once all its gradients are there, while backward goes on.
     finish() waits, divides by the world size and hands the means to the optimizer as .grad."""
 
     def __init__(self, model, cfg):
