@@ -1942,8 +1942,9 @@ def vit_config(cfg, meta):
     if cfg.model.pretrained:
         config = load_pretrained_config(cfg.model.pretrained)
         if config.image_size != size:
-            die(f"{cfg.model.pretrained} knows {config.image_size}-pixel images, {cfg.data.dir} "
-                f"holds {size}-pixel ones -> prepare them with --image-size {config.image_size}")
+            die(f"{cfg.model.pretrained} was trained on {config.image_size}-pixel images, "
+                f"{cfg.data.dir} holds {size}-pixel ones -> prepare them with --image-size "
+                f"{config.image_size}")
         config.update(labels)
         return config
     patch = cfg.model.patch_size or min(16, size // 4)  # 16 as ViT-B/16; 4 x 4 patches at least
