@@ -389,8 +389,7 @@ def parse_args():
 
 
 class ConfigLoader(yaml.SafeLoader):
-    """YAML as a config means it: 3e-4 is a float; 010, 0x10, 1:30, yes and off stay strings (YAML
-    1.1 reads numbers and booleans); a key given twice is an error, not a silent replacement."""
+    """YAML as a config means it: 3e-4 a float, 010 and yes strings, a key given twice an error."""
 
     def construct_mapping(self, node, deep=False):
         seen_at = {}

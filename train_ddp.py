@@ -4,18 +4,11 @@
     bash launch.sh train_ddp.py model.type=vit       # a ViT on images (the digits by default)
     torchrun --nproc_per_node 8 train_ddp.py train.max_steps=1000 optim.lr=3e-4
 
-Read it from the top down to the line "below this, reference machinery you may skip" (before
-line 700): that is the lesson. Run, all that a run changes; main(), the seven sections of a run, a
-few lines each; train_step(), one optimizer step; wrap_model() (DDP, a reducer of ours, or none),
-NaiveReducer and InlineReducer (what DDP does for you); then distributed init, the batch plan, the
-checkpoint's write and resume, validation. Below the line, the reference in main()'s order: config
-(DEFAULTS first; config.yaml, or a .yaml path given first, and section.key=value override them),
-errors, data readers, model and optimizer helpers, the checkpoint's safety details, logging,
-exporters. Optional parts stand in blocks at the end, each with a few lines tagged for it: # MLM
-(masked LMs such as BERT) and # images (ViT classification), each its data's reader with its model
-and batches, # metrics (TensorBoard, Prometheus, NVML, the all-reduces timed), # tiered (an input
-embedding partly in CPU memory), # fp8, # FAULT (fault injection for the tests). A # DDP line is
-this file's alone in a definition train_fsdp.py otherwise shares word for word.
+Read down to the line "below this, reference machinery you may skip": that is the lesson (main(),
+train_step(), DDP and two reducers of ours that show what it does, then distributed init, the batch
+plan, the checkpoint, validation). Optional parts stand in blocks at the end with their tagged lines
+(# MLM, # images, # metrics, # tiered, # fp8, # FAULT); a # DDP line is this file's alone in a
+definition train_fsdp.py otherwise shares word for word.
 """
 
 import contextlib
@@ -144,8 +137,7 @@ def main():
     lock = on_rank0(hold_directory, ckpt_dir, cfg.checkpoint.every > 0, share_result=False)
     if world_size > 1 and cfg.checkpoint.every > 0:  # every rank must see what rank 0 writes
         check_shared_directory(ckpt_dir)
-    # Rank 0 alone picks the checkpoint: ranks that listed the directory themselves could see
-    # different files (network filesystems cache listings) and would train different weights.
+    # rank 0 alone picks it: network filesystems cache listings, so ranks could see other files
     resume_dir = on_rank0(find_resume_checkpoint, ckpt_dir, cfg.checkpoint.resume)
     run = Run() if resume_dir is None else resume(resume_dir, raw_model, optimizer, scheduler,
                                                   scaler, cfg, meta)
@@ -203,8 +195,7 @@ def main():
 
 
 def train_step(model, batches, optimizer, scheduler, scaler, setup, run):
-    """One optimizer step over this rank's micro-batches: returns what the log needs, and the next
-    step's batches, built while the GPU runs this backward."""
+    """One optimizer step on this rank's micro-batches: the log's figures, next step's batches."""
     micro_batches, input_tokens, label_tokens, lengths = batches
     optimizer.zero_grad(set_to_none=True)  # here, not after the update: the memory report uses them
     # The gradient must be that of the mean loss over every label token of the global batch, however
@@ -241,9 +232,8 @@ def train_step(model, batches, optimizer, scheduler, scaler, setup, run):
 
 
 def step_verdict(grad_norm, setup, run):
-    """Is the gradient non-finite on some rank, and was some rank asked to stop? One all-reduce:
-    a NaN on one rank reaches all through the gradients, a signal may reach one rank only. Returns
-    both, and the count of bad steps in a row with this one."""
+    """Is the gradient non-finite, was some rank asked to stop (a signal may reach one rank only)?
+    One all-reduce tells every rank; returns both and the bad steps in a row with this one."""
     # filled on the device: no copy from the host
     verdict = torch.full((2,), float(bool(setup.stop_requested)), device=setup.device)
     verdict[0] = grad_norm.isfinite().logical_not()
@@ -255,8 +245,7 @@ def step_verdict(grad_norm, setup, run):
         log0(f"step {run.step + 1} | non-finite gradient: update skipped ({in_a_row} in a row)")
     if in_a_row >= setup.cfg.train.max_bad_steps:
         die(f"{in_a_row} steps in a row had a non-finite gradient (train.max_bad_steps="
-            f"{setup.cfg.train.max_bad_steps}); no update was made from them and no checkpoint "
-            "holds them -> lower optim.lr or raise optim.warmup_steps, and check the data")
+            f"{setup.cfg.train.max_bad_steps}) -> lower optim.lr or raise optim.warmup_steps")
     return bad, stop, in_a_row
 
 
@@ -264,18 +253,15 @@ def step_verdict(grad_norm, setup, run):
 
 def wrap_model(raw_model, cfg, device, use_compile):
     """The model each step calls, and how gradients reach every rank (`parallel.sync`, `.finish`):
-    DDP's C++ reducer (dist.reducer=torch), InlineReducer (what DDP does) or NaiveReducer. One
-    process needs none: nothing to average, and DDP would split the compiled graph for nothing."""
+    DDP, InlineReducer or NaiveReducer (dist.reducer); one process needs none."""
     nothing = SimpleNamespace(sync=lambda last: contextlib.nullcontext(), finish=lambda: None)
     if dist.get_world_size() == 1:
         return torch.compile(raw_model) if use_compile else raw_model, nothing
     model, hook, inline = raw_model, None, cfg.dist.reducer == "inline"
     if cfg.dist.reducer == "torch":
         if use_compile and cfg.dist.bucket_mb < 1:
-            die(f"dist.bucket_mb={cfg.dist.bucket_mb} is below 1: under torch.compile, Dynamo's "
-                "DDPOptimizer takes DDP's first bucket to be 1 MiB and stops when the others are "
-                "smaller -> give dist.bucket_mb=1 or more, or use dist.reducer=inline or "
-                "train.compile=false")
+            die(f"dist.bucket_mb={cfg.dist.bucket_mb}: torch.compile's DDPOptimizer needs 1 MiB or "
+                "more -> give 1 or more, or use dist.reducer=inline or train.compile=false")
         # broadcast_buffers=False: buffers are constants built alike on every rank: no collective
         model = ddp = DDP(raw_model, device_ids=[device.index] if device.type == "cuda" else None,
                           bucket_cap_mb=cfg.dist.bucket_mb, gradient_as_bucket_view=True,
@@ -290,24 +276,20 @@ def wrap_model(raw_model, cfg, device, use_compile):
     if hook is not None:  # DDP calls it for each bucket in place of its own all-reduce
         ddp.register_comm_hook(None, hook)
     if use_compile and inline:
-        # Block by block: the backward of one compiled graph is one autograd node, whose gradients
-        # all appear at its end; then no all-reduce could overlap it.
+        # block by block: one compiled graph's gradients all appear at its end, overlapping nothing
         for block in repeated_blocks(raw_model) or [raw_model]:
             block.compile()
-    # Under torch.compile, Dynamo splits DDP's graph at its buckets (DDPOptimizer), so a bucket's
-    # all-reduce starts while backward still computes the layers before it.
+    # Dynamo splits DDP's graph at its buckets (DDPOptimizer): all-reduces overlap the backward
     return torch.compile(model) if use_compile and not inline else model, parallel
 
 
 class NaiveReducer:
-    """Data parallelism at its plainest (dist.reducer=naive): after the step's last backward, start
-    an all-reduce of every gradient, wait for all, divide. Right, but nothing overlaps backward:
-    InlineReducer starts each bucket of gradients as soon as backward has produced it."""
+    """Data parallelism at its plainest (dist.reducer=naive): after the last backward, all-reduce
+    every gradient, wait, divide. Nothing overlaps backward; InlineReducer's buckets do."""
 
     def __init__(self, model):
         self.params = [p for p in model.parameters() if p.requires_grad]
-        # every rank starts from rank 0's weights, as DDP's constructor makes sure: ranks that
-        # differed would train different models on averaged gradients, silently
+        # rank 0's weights on every rank, as DDP makes sure: else ranks would drift apart, silently
         for tensor in [*model.parameters(), *model.buffers()]:
             dist.broadcast(tensor.detach(), src=0)
 
@@ -325,23 +307,16 @@ class NaiveReducer:
         return dist.all_reduce(flat, async_op=True)
 
     def wait(self, works):
-        # Without wait() nothing orders the sum before the optimizer reads it: on a GPU the compute
-        # stream then waits for the communication stream; on gloo the host waits.
+        # orders the sum before the optimizer reads it: the compute stream waits, or gloo's host
         for work in works:
             work.wait()
 
 
 class InlineReducer(NaiveReducer):
-    """What DDP does for you, in plain sight (dist.reducer=inline): every rank ends the step with
-    the mean of all ranks' gradients, and the all-reduces run while backward still computes earlier
-    layers.
-
-    Backward produces gradients about in reverse registration order, so parameters are grouped into
-    buckets of dist.bucket_mb in that order. A hook per parameter counts what its bucket still waits
-    for; on the step's last micro-batch a complete bucket is flattened and its
-    all_reduce(async_op=True) starts at once. finish() waits for every bucket, divides by the world
-    size and hands the means to the optimizer as .grad. On the other micro-batches the hooks do
-    nothing: gradients accumulate."""
+    """What DDP does for you, in plain sight (dist.reducer=inline): parameters are grouped into
+    buckets of dist.bucket_mb in reverse registration order (about backward's); in the step's last
+    backward a bucket's all-reduce starts once all its gradients are there, while backward goes on.
+    finish() waits, divides by the world size and hands the means to the optimizer as .grad."""
 
     def __init__(self, model, cfg):
         super().__init__(model)  # self.params, and rank 0's weights on every rank
@@ -353,8 +328,7 @@ class InlineReducer(NaiveReducer):
                 filled = 0
             self.buckets[-1].append(param)
             filled += param.numel() * param.element_size()
-            # runs once autograd has added this backward's gradient into param.grad (a tied weight:
-            # once, with the sum)
+            # runs once this backward's gradient is in param.grad (a tied weight: once, the sum)
             param.register_post_accumulate_grad_hook(
                 functools.partial(self.gradient_ready, len(self.buckets) - 1))
         self.reduce_in_backward = False  # set by sync(): true on the step's last micro-batch
@@ -397,10 +371,9 @@ class InlineReducer(NaiveReducer):
 
 
 def bf16_allreduce_hook(process_group, bucket):
-    """DDP's comm hook for dist.grad_compression=bf16: a bucket travels in bf16, half the bytes, and
-    its sum is divided by the world size in fp32, as in InlineReducer. Not torch's
-    bf16_compress_hook: that divides in bf16, and DDP takes a hook of its name only from a torch
-    built with CUDA and NCCL."""
+    """DDP's comm hook for dist.grad_compression=bf16: a bucket travels in bf16, its sum is divided
+    in fp32. Not torch's bf16_compress_hook: that divides in bf16, and DDP takes a hook of that name
+    only from a torch built with CUDA and NCCL."""
     buffer = bucket.buffer()
     work = dist.all_reduce(buffer.to(torch.bfloat16), group=process_group, async_op=True)
     return work.get_future().then(
@@ -435,9 +408,8 @@ def init_distributed(cfg, world_size, rank, use_cuda):
 
 
 def on_rank0(function, *args, share_result=True):
-    """Run `function` on rank 0 alone and hand its result to every rank (share_result=False: the
-    others get None); if it fails, every rank stops with its message: a failure on rank 0 alone
-    would leave the others waiting in their next collective until the timeout."""
+    """Run `function` on rank 0 alone and give every rank its result (share_result=False: None);
+    if it fails, every rank stops with its message, not waiting for rank 0 until the timeout."""
     result, outcome = None, [None, None]
     if dist.get_rank() == 0:
         try:
@@ -483,9 +455,8 @@ def epoch_permutation(seed, epoch, num_samples):
 
 
 def global_batch(position, global_batch_size, num_samples, seed):
-    """The sample ids and epochs of the global batch at `position`: the samples consumed so far over
-    all ranks and epochs, so a run resumed on another number of ranks goes on with exactly the
-    samples the old run would have seen. seed=None reads samples in order (validation)."""
+    """Sample ids and epochs of the global batch at `position`, counted over all ranks: a resumed
+    run sees the same samples on any number of ranks. seed=None reads in order (validation)."""
     epochs, indices = np.divmod(np.arange(position, position + global_batch_size), num_samples)
     sample_ids = indices if seed is None else np.array(
         [epoch_permutation(seed, e, num_samples)[i] for e, i in zip(epochs, indices)])
@@ -508,9 +479,8 @@ def step_batches(setup, position):
 
 
 def rank_batches(split_data, position, shuffle_seed, cfg, world_size, rank, device):
-    """This rank's micro-batches of the global batch at sample `position`, and the input and label
-    token counts of the whole global batch and each micro-batch's sample lengths (for its FLOPs):
-    every rank computes these alike from the shared plan."""
+    """This rank's micro-batches at sample `position`, and what every rank computes alike from the
+    plan: the global batch's input and label token counts, each sample's length (for FLOPs)."""
     plan = split_data.plan(position, shuffle_seed, cfg, world_size)
     lengths = [[split_data.length(int(i)) for i in ids]
                for rank_plan in plan for ids, _ in rank_plan]
@@ -541,11 +511,9 @@ def save_checkpoint(setup, run, optimizer, scheduler, scaler):
 
 
 def train_state(setup, run, scheduler, scaler):
-    """All a run needs to go on exactly beside the weights and the optimizer: step, data position,
-    every rank's random state, schedule, grad scaler, config; collective."""
+    """All a run needs to go on exactly, beside the weights and the optimizer; collective."""
     if not weights_are_finite(setup.raw_model):  # skipped steps keep this from happening
-        die(f"the weights are not finite at step {run.step}: no checkpoint written -> lower "
-            "optim.lr")
+        die(f"the weights are not finite at step {run.step}: not saved -> lower optim.lr")
     cuda = {"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {}
     rng_states = [None] * dist.get_world_size()
     dist.all_gather_object(rng_states, {"torch": torch.get_rng_state(), **cuda})
@@ -558,8 +526,7 @@ def train_state(setup, run, scheduler, scaler):
 
 
 def write_checkpoint(ckpt_dir, step, keep, raw_model, optimizer, state):
-    """Write into a temporary directory, then rename: a crash mid-write never leaves a checkpoint
-    that resume=auto would pick. `latest` moves only after the rename; old ones go last."""
+    """To a temporary directory, then renamed: a crash mid-write leaves nothing resume picks."""
     final = step_dir(ckpt_dir, step)
     temporary = ckpt_dir / f".tmp-{final.name}-{os.getpid()}"
     parts = [("model.pt", raw_model.state_dict()), ("optimizer.pt", optimizer.state_dict()),
@@ -604,8 +571,7 @@ def resume(resume_dir, raw_model, optimizer, scheduler, scaler, cfg, meta):
     run = Run(step=state["step"], position=state["samples_seen"], tokens_seen=state["tokens_seen"])
     if run.step >= cfg.train.max_steps:
         die(f"{resume_dir} is at step {run.step}, train.max_steps is {cfg.train.max_steps}: "
-            "nothing left to train -> raise train.max_steps to go on, or start afresh in a new "
-            "checkpoint.dir")
+            "nothing left to train -> raise train.max_steps, or use a new checkpoint.dir")
     restore_rng(state["rng"], dist.get_rank(), cfg.train.seed, run.step)
     apply_settings(optimizer, scheduler, cfg, run.step)
     changed = changed_settings(state["config"], cfg)
@@ -635,8 +601,7 @@ def load_train_state(path, scheduler, scaler, cfg, meta):
             saved = saved_config.get(key, before_it_existed)
             if saved != this_config[key]:
                 die(f"checkpoint {path} was trained with {key}={saved}, this run has "
-                    f"{key}={this_config[key]} -> pass {key}={saved}, or use another "
-                    "checkpoint.dir")
+                    f"{key}={this_config[key]} -> pass {key}={saved}, or a new checkpoint.dir")
         scheduler.load_state_dict(train_state["scheduler"])
         scaler.load_state_dict(train_state["scaler"])
     except LOAD_ERRORS as error:
@@ -657,9 +622,8 @@ def load_weights(path, raw_model, optimizer):
 # -------------------------------------------------------------------------- validation (section 7)
 
 def validate(model, val_data, setup, step):
-    """The mean loss per label and the top-1 accuracy over the same validation batches every time,
-    each rank doing its share: rank 0 alone would be world_size times slower, and would hang the
-    others if the forward communicates (FSDP all-gathers weights) or outlasts dist.timeout_s."""
+    """Mean loss per label and top-1 accuracy over the same batches each time, every rank its share:
+    rank 0 alone would be slower, and hang the others if the forward communicates (FSDP)."""
     model.eval()
     batches = val_data.validation_batches(setup.cfg)
     global_batch = setup.cfg.train.global_batch_size
@@ -752,8 +716,7 @@ RANGES = {
 
 
 class ConfigLoader(yaml.SafeLoader):
-    """YAML as a config means it: 3e-4 is a float; 010, 0x10, 1:30, yes and off stay strings (YAML
-    1.1 reads numbers and booleans); a key given twice is an error, not a silent replacement."""
+    """YAML as a config means it: 3e-4 a float, 010 and yes strings, a key given twice an error."""
 
     def construct_mapping(self, node, deep=False):
         seen_at = {}
@@ -786,8 +749,7 @@ PREPROCESS_KEYS = {"data.vocab_size": "--vocab-size", "data.val_fraction": "--va
 
 
 def load_config(args, use_cuda):
-    """DEFAULTS, then config.yaml (or the .yaml given first), then key=value arguments; a preset
-    sets only the keys both left at their defaults, and says which."""
+    """DEFAULTS, config.yaml (or a .yaml given first), key=value; a preset fills keys left alone."""
     defaults = flatten(DEFAULTS)
     flat, presets = dict(defaults), dict(PRESETS)
     config_path = Path(__file__).with_name("config.yaml")
@@ -904,8 +866,7 @@ def check_config(cfg, world_size):
             die(f"{key}={values[key]} is {OTHER_TRAINER}'s ({reason}) -> use {OTHER_TRAINER}, or "
                 f"leave {key} at {defaults[key]}")
     if cfg.optim.min_lr > cfg.optim.lr:
-        die(f"optim.min_lr={cfg.optim.min_lr} is above optim.lr={cfg.optim.lr} -> the decay ends "
-            "at min_lr: lower it")
+        die(f"optim.min_lr={cfg.optim.min_lr} is above optim.lr={cfg.optim.lr} -> lower min_lr")
     if not cfg.model.pretrained and cfg.model.n_embd % cfg.model.n_head:
         die(f"model.n_embd={cfg.model.n_embd} is not divisible by model.n_head={cfg.model.n_head} "
             "-> change one of them")
@@ -1272,9 +1233,8 @@ def memory_prediction(raw_model, device):
             weights += local.numel() * local.element_size()
             trained += local.numel() * local.element_size() if parameter.requires_grad else 0
     mib = [size / 2**20 for size in (weights, trained, 2 * trained)]
-    log0(f"memory per rank, predicted from the parameters' counts and dtypes: weights "
-         f"{mib[0]:,.1f} MiB, gradients {mib[1]:,.1f} MiB, AdamW state {mib[2]:,.1f} MiB on "
-         f"{device.type}; activations are measured at step 2")
+    log0(f"memory per rank, predicted: weights {mib[0]:,.1f} MiB, gradients {mib[1]:,.1f} MiB, "
+         f"AdamW state {mib[2]:,.1f} MiB on {device.type}; activations are measured at step 2")
     return {"weights": weights, "gradients": trained, "optimizer": 2 * trained}
 
 
@@ -1341,16 +1301,14 @@ def tensor_bytes(state):
 
 
 def hold_directory(ckpt_dir, writing):
-    """An advisory lock on ckpt_dir/.lock, released when the process ends however it ends: a
-    second run stops before it touches anything, a dead holder never blocks. Returns the file."""
+    """A lock on ckpt_dir/.lock: a second run stops; a dead run's lock is gone with its process."""
     if not writing and not ckpt_dir.is_dir():
         return None
     try:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
         lock = open(ckpt_dir / ".lock", "a+")
     except OSError as error:
-        die(f"cannot write to checkpoint.dir={ckpt_dir} ({error}) -> set checkpoint.dir to a "
-            "writable directory")
+        die(f"cannot write to checkpoint.dir={ckpt_dir} ({error}) -> give a writable directory")
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -1369,16 +1327,14 @@ def hold_directory(ckpt_dir, writing):
 
 
 def find_resume_checkpoint(ckpt_dir, resume):
-    """resume=auto: the newest intact checkpoint (the `latest` pointer first, then newest to oldest:
-    a damaged one is passed over, and the log says so); never; or a path, which must be intact."""
+    """auto: the newest intact checkpoint (`latest` first, damaged ones skipped); never; a path."""
     for leftover in [*ckpt_dir.glob(".tmp-step_*"), *ckpt_dir.glob(".latest-*")]:
         log0(f"removing {leftover}, left by a run that stopped while writing a checkpoint")
         shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
     existing = complete_checkpoints(ckpt_dir)
     if resume == "never" and existing:
-        die(f"{ckpt_dir} already holds checkpoints ({existing[-1].name}) and "
-            "checkpoint.resume=never would overwrite them -> continue with checkpoint.resume=auto "
-            "or choose another checkpoint.dir")
+        die(f"{ckpt_dir} already holds checkpoints ({existing[-1].name}), checkpoint.resume=never "
+            "would overwrite them -> use checkpoint.resume=auto, or another checkpoint.dir")
     if resume in ("auto", "never"):
         pointer = ckpt_dir / "latest"
         pointed = [ckpt_dir / pointer.read_text().strip()] if pointer.is_file() else []
@@ -1388,8 +1344,7 @@ def find_resume_checkpoint(ckpt_dir, resume):
                 return candidate
             log0(f"warning: {candidate} is damaged ({damage}); trying the next older checkpoint")
         if existing:
-            die(f"every checkpoint in {ckpt_dir} is damaged -> move them away to start afresh, or "
-                "restore one")
+            die(f"every checkpoint in {ckpt_dir} is damaged -> move them away, or restore one")
         return None
     if not is_complete(Path(resume)):
         die(f"checkpoint.resume={resume} is not a complete checkpoint directory (needs "
@@ -1470,8 +1425,7 @@ def check_shared_directory(ckpt_dir):
         try:
             marker.write_text(token)  # into the directory hold_directory made
         except OSError as error:
-            die(f"cannot write to checkpoint.dir={ckpt_dir} ({error}) -> set checkpoint.dir to a "
-                "writable directory")
+            die(f"cannot write to checkpoint.dir={ckpt_dir} ({error}) -> give a writable directory")
 
     def check_marker():
         if not marker.is_file() or marker.read_text() != token:
@@ -1533,7 +1487,6 @@ class Interval:
         self.loss_sum.zero_()
 
     def add_step(self, result, flops_of):
-        """A finished step (train_step's result): its tokens, FLOPs and loss are counted."""
         self.steps, self.input_tokens = self.steps + 1, self.input_tokens + result.input_tokens
         self.flops += flops_of(result.lengths)
         self.skipped += result.bad
@@ -1672,8 +1625,7 @@ def write_metrics(setup, record):
 
 
 class SpanTimer:
-    """`with timer:` sums a span over a log interval without a wait for the GPU: on a GPU two CUDA
-    events time it as the GPU lives it (the host runs ahead); on a CPU the host's clock."""
+    """`with timer:` sums a span over a log interval without a host wait (CUDA events on a GPU)."""
 
     def __init__(self, device):
         self.on_gpu, self.host_s, self.recorded, self.spare = device.type == "cuda", 0.0, [], []
@@ -1712,8 +1664,7 @@ def peak_flops_per_gpu(device, peak_tflops):
         return peak_tflops * 1e12 if device.type == "cuda" else None
     name = torch.cuda.get_device_name(device)
     if name not in PEAK_BF16_TFLOPS:
-        log0(f"note: no MFU: the bf16 peak of '{name}' is not in PEAK_BF16_TFLOPS -> set "
-             "log.peak_tflops")
+        log0(f"note: no MFU: '{name}' is not in PEAK_BF16_TFLOPS -> set log.peak_tflops")
     return PEAK_BF16_TFLOPS[name] * 1e12 if name in PEAK_BF16_TFLOPS else None
 
 
@@ -2438,8 +2389,7 @@ class TieredEmbedding(torch.nn.Module):
         self.set_tiers(hot_ids, weight.shape[0])
         self.hot_weight = torch.nn.Parameter(weight[self.hot_ids].clone())
         self.rows = None  # this step's CPU rows on the GPU: a parameter from forward to step()
-        # plain attributes: model.to() leaves them in CPU memory, DDP ignores them, the state dict
-        # gets them from get_extra_state
+        # plain attributes: model.to() and DDP leave them be; get_extra_state saves them
         self.cold_weight = weight[self.cold_ids].clone()
         self.cold_exp_avg = torch.zeros_like(self.cold_weight)
         self.cold_exp_avg_sq = torch.zeros_like(self.cold_weight)
@@ -2748,8 +2698,7 @@ def save_fault(step):
 
 
 def ended_attempt(code=None, line=None):
-    """A torchrun restart cannot undo a stop or a mistake: an attempt that ended so notes it (a
-    file named after torchrun's PID), and the next one ends alike at once."""
+    """A restart can't undo a stop or mistake: an ending attempt notes it, the next ends alike."""
     note = Path(tempfile.gettempdir()) / f"train-ended-{os.getppid()}.json"
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "-1"))
     if code is not None and restarts >= 0:

@@ -4,17 +4,12 @@
     bash launch.sh train_fsdp.py model.type=vit      # a ViT on images (the digits by default)
     torchrun --nproc_per_node 8 train_fsdp.py train.max_steps=1000 optim.lr=3e-4
 
-This is train_ddp.py with the parallelism swapped: `diff train_ddp.py train_fsdp.py` shows what FSDP
-changes. Each rank keeps 1/world_size of the weights, gradients and AdamW state: a block's weights
-are all-gathered just before its forward (and backward) and freed after, its gradients
-reduce-scattered. The model is built on the meta device and filled from rank 0, so it never has to
-fit on one GPU; every rank writes its part of a checkpoint (torch.distributed.checkpoint), which
-loads on any number of ranks. Pick FSDP when the weights, gradients and AdamW state (16 bytes per
-parameter) do not fit on one GPU. The lesson runs from the top to the line "below this, reference
-machinery you may skip" (before line 700): Run; main(); train_step(); shard_model() and
-gradient_sync(); distributed init, the batch plan, the sharded checkpoint, validation. Below it the
-reference in main()'s order, as in train_ddp.py; at the end the optional blocks, each with a few
-lines tagged for it: # MLM, # images, # metrics (TensorBoard, Prometheus, NVML), # fp8, # FAULT.
+train_ddp.py with the parallelism swapped (`diff train_ddp.py train_fsdp.py`): each rank keeps
+1/world_size of the weights, gradients and AdamW state; pick it when those (16 bytes a parameter) do
+not fit on one GPU. A block's weights are all-gathered just before its forward and backward, its
+gradients reduce-scattered; every rank writes its part of a checkpoint, which loads on any number of
+ranks. Read down to the line "below this, reference machinery you may skip": that is the lesson.
+Optional blocks at the end, each with its tagged lines: # MLM, # images, # metrics, # fp8, # FAULT.
 """
 
 import contextlib
@@ -147,8 +142,7 @@ def main():
     lock = on_rank0(hold_directory, ckpt_dir, cfg.checkpoint.every > 0, share_result=False)
     if world_size > 1 and cfg.checkpoint.every > 0:  # every rank must see what rank 0 writes
         check_shared_directory(ckpt_dir)
-    # Rank 0 alone picks the checkpoint: ranks that listed the directory themselves could see
-    # different files (network filesystems cache listings) and would train different weights.
+    # rank 0 alone picks it: network filesystems cache listings, so ranks could see other files
     resume_dir = on_rank0(find_resume_checkpoint, ckpt_dir, cfg.checkpoint.resume)
     run = Run() if resume_dir is None else resume(resume_dir, raw_model, optimizer, scheduler,
                                                   scaler, cfg, meta)
@@ -212,8 +206,7 @@ def main():
 
 
 def train_step(model, batches, optimizer, scheduler, scaler, setup, run):
-    """One optimizer step over this rank's micro-batches: returns what the log needs, and the next
-    step's batches, built while the GPU runs this backward."""
+    """One optimizer step on this rank's micro-batches: the log's figures, next step's batches."""
     micro_batches, input_tokens, label_tokens, lengths = batches
     optimizer.zero_grad(set_to_none=True)  # here, not after the update: the memory report uses them
     # The gradient must be that of the mean loss over every label token of the global batch, however
@@ -250,9 +243,8 @@ def train_step(model, batches, optimizer, scheduler, scaler, setup, run):
 
 
 def step_verdict(grad_norm, setup, run):
-    """Is the gradient non-finite on some rank, and was some rank asked to stop? One all-reduce:
-    a NaN on one rank reaches all through the gradients, a signal may reach one rank only. Returns
-    both, and the count of bad steps in a row with this one."""
+    """Is the gradient non-finite, was some rank asked to stop (a signal may reach one rank only)?
+    One all-reduce tells every rank; returns both and the bad steps in a row with this one."""
     # filled on the device: no copy from the host
     verdict = torch.full((2,), float(bool(setup.stop_requested)), device=setup.device)
     verdict[0] = grad_norm.isfinite().logical_not()
@@ -264,21 +256,17 @@ def step_verdict(grad_norm, setup, run):
         log0(f"step {run.step + 1} | non-finite gradient: update skipped ({in_a_row} in a row)")
     if in_a_row >= setup.cfg.train.max_bad_steps:
         die(f"{in_a_row} steps in a row had a non-finite gradient (train.max_bad_steps="
-            f"{setup.cfg.train.max_bad_steps}); no update was made from them and no checkpoint "
-            "holds them -> lower optim.lr or raise optim.warmup_steps, and check the data")
+            f"{setup.cfg.train.max_bad_steps}) -> lower optim.lr or raise optim.warmup_steps")
     return bad, stop, in_a_row
 
 
 # ----------------------------------------------------------------------------- the parallelism
 
 def shard_model(cfg, reader, meta, device, use_compile, param_dtype):
-    """The model, sharded: fully_shard on each transformer block, then on the root (the embeddings,
-    the final norm, the output layer). Rank 0 alone builds the whole model, in CPU memory; every
-    rank builds it again on the meta device (shapes, no memory), shards it and fills its shards from
-    rank 0's: the model never has to fit on one GPU, and its first weights are the same on any
-    number of ranks."""
-    # one rank (without CPU offload) trains the model whole: FSDP's per-block gathers and DTensor
-    # dispatch would only add host time; its DCP checkpoints still trade with any number of ranks
+    """fully_shard on each block, then on the root. Rank 0 alone builds the model, in CPU memory;
+    every rank builds it on the meta device, shards it and fills its shards from rank 0's: the model
+    never has to fit on one GPU, and starts alike on any number of ranks."""
+    # one rank (no CPU offload) trains it whole: sharding adds host time; checkpoints stay DCP's
     if dist.get_world_size() == 1 and not cfg.fsdp.cpu_offload:
         model, attention = build_model(cfg, reader, meta, device)
         train_in_fp8(model, cfg, device, use_compile, sharded=False)  # fp8
@@ -335,9 +323,8 @@ def shard_model(cfg, reader, meta, device, use_compile, param_dtype):
 
 
 def gradient_sync(raw_model, use_compile):
-    """The model each step calls, and FSDP's side of a step: on all but the last micro-batch no
-    reduce-scatter; gradients then accumulate unsharded (a full gradient per rank until the last
-    micro-batch). The whole model of one rank is compiled whole: nothing to sync."""
+    """The model each step calls, and FSDP's side of a step: no reduce-scatter but on the last
+    micro-batch (gradients accumulate unsharded until then); one rank's model syncs nothing."""
     if not isinstance(raw_model, FSDPModule):
         nothing = SimpleNamespace(sync=lambda last: contextlib.nullcontext())
         return torch.compile(raw_model) if use_compile else raw_model, nothing
@@ -350,8 +337,7 @@ def gradient_sync(raw_model, use_compile):
 
 
 def local(tensor, whole=False):
-    """This rank's shard of a sharded tensor (whole=True: all shards, alike on every rank); one
-    rank's unsharded tensor as it is."""
+    """This rank's shard of a DTensor (whole=True: the whole tensor); other tensors as they are."""
     if not isinstance(tensor, DTensor):
         return tensor
     return tensor.full_tensor() if whole else tensor.to_local()
@@ -385,9 +371,8 @@ def init_distributed(cfg, world_size, rank, use_cuda):
 
 
 def on_rank0(function, *args, share_result=True):
-    """Run `function` on rank 0 alone and hand its result to every rank (share_result=False: the
-    others get None); if it fails, every rank stops with its message: a failure on rank 0 alone
-    would leave the others waiting in their next collective until the timeout."""
+    """Run `function` on rank 0 alone and give every rank its result (share_result=False: None);
+    if it fails, every rank stops with its message, not waiting for rank 0 until the timeout."""
     result, outcome = None, [None, None]
     if dist.get_rank() == 0:
         try:
@@ -433,9 +418,8 @@ def epoch_permutation(seed, epoch, num_samples):
 
 
 def global_batch(position, global_batch_size, num_samples, seed):
-    """The sample ids and epochs of the global batch at `position`: the samples consumed so far over
-    all ranks and epochs, so a run resumed on another number of ranks goes on with exactly the
-    samples the old run would have seen. seed=None reads samples in order (validation)."""
+    """Sample ids and epochs of the global batch at `position`, counted over all ranks: a resumed
+    run sees the same samples on any number of ranks. seed=None reads in order (validation)."""
     epochs, indices = np.divmod(np.arange(position, position + global_batch_size), num_samples)
     sample_ids = indices if seed is None else np.array(
         [epoch_permutation(seed, e, num_samples)[i] for e, i in zip(epochs, indices)])
@@ -457,9 +441,8 @@ def step_batches(setup, position):
 
 
 def rank_batches(split_data, position, shuffle_seed, cfg, world_size, rank, device):
-    """This rank's micro-batches of the global batch at sample `position`, and the input and label
-    token counts of the whole global batch and each micro-batch's sample lengths (for its FLOPs):
-    every rank computes these alike from the shared plan."""
+    """This rank's micro-batches at sample `position`, and what every rank computes alike from the
+    plan: the global batch's input and label token counts, each sample's length (for FLOPs)."""
     plan = split_data.plan(position, shuffle_seed, cfg, world_size)
     lengths = [[split_data.length(int(i)) for i in ids]
                for rank_plan in plan for ids, _ in rank_plan]
@@ -482,10 +465,8 @@ def on_device(batch, device):
 # ---------------------------------------------------------------------- the checkpoint (section 6)
 
 def save_checkpoint(setup, run, optimizer, scheduler, scaler, async_group, wait=True):
-    """Every rank writes its shards of the model and the optimizer into one temporary directory
-    (torch.distributed.checkpoint), rank 0 train_state(); finish_checkpoint publishes it. With an
-    async_group (checkpoint.async_save) and not `wait`, the shards are copied to CPU memory here
-    and written by a background thread while training goes on."""
+    """Every rank writes its shards of model and optimizer (DCP), rank 0 train_state(); with an
+    async_group and not `wait`, a background thread writes them from a copy in CPU memory."""
     finish_checkpoint()  # the one before, if still being written: published first
     state, ckpt_dir = train_state(setup, run, scheduler, scaler), Path(setup.cfg.checkpoint.dir)
     final = step_dir(ckpt_dir, run.step)
@@ -511,11 +492,9 @@ def save_checkpoint(setup, run, optimizer, scheduler, scaler, async_group, wait=
 
 
 def train_state(setup, run, scheduler, scaler):
-    """All a run needs to go on exactly beside the weights and the optimizer: step, data position,
-    every rank's random state, schedule, grad scaler, config; collective."""
+    """All a run needs to go on exactly, beside the weights and the optimizer; collective."""
     if not weights_are_finite(setup.raw_model):  # skipped steps keep this from happening
-        die(f"the weights are not finite at step {run.step}: no checkpoint written -> lower "
-            "optim.lr")
+        die(f"the weights are not finite at step {run.step}: not saved -> lower optim.lr")
     cuda = {"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {}
     rng_states = [None] * dist.get_world_size()
     dist.all_gather_object(rng_states, {"torch": torch.get_rng_state(), **cuda})
@@ -527,8 +506,7 @@ def train_state(setup, run, scheduler, scaler):
             "vocab_size": setup.meta.get("vocab_size")}
 
 
-# a checkpoint being written in the background: published before the next one is started and
-# before the run ends, however it ends (finish_checkpoint)
+# a checkpoint being written in the background: published before the next starts and the run ends
 IN_FLIGHT = []
 
 
@@ -605,8 +583,7 @@ def resume(resume_dir, raw_model, optimizer, scheduler, scaler, cfg, meta):
     run = Run(step=state["step"], position=state["samples_seen"], tokens_seen=state["tokens_seen"])
     if run.step >= cfg.train.max_steps:
         die(f"{resume_dir} is at step {run.step}, train.max_steps is {cfg.train.max_steps}: "
-            "nothing left to train -> raise train.max_steps to go on, or start afresh in a new "
-            "checkpoint.dir")
+            "nothing left to train -> raise train.max_steps, or use a new checkpoint.dir")
     restore_rng(state["rng"], dist.get_rank(), cfg.train.seed, run.step)
     apply_settings(optimizer, scheduler, cfg, run.step)
     changed = changed_settings(state["config"], cfg)
@@ -636,8 +613,7 @@ def load_train_state(path, scheduler, scaler, cfg, meta):
             saved = saved_config.get(key, before_it_existed)
             if saved != this_config[key]:
                 die(f"checkpoint {path} was trained with {key}={saved}, this run has "
-                    f"{key}={this_config[key]} -> pass {key}={saved}, or use another "
-                    "checkpoint.dir")
+                    f"{key}={this_config[key]} -> pass {key}={saved}, or a new checkpoint.dir")
         scheduler.load_state_dict(train_state["scheduler"])
         scaler.load_state_dict(train_state["scaler"])
     except LOAD_ERRORS as error:
@@ -647,8 +623,7 @@ def load_train_state(path, scheduler, scaler, cfg, meta):
 
 
 def load_weights(path, raw_model, optimizer):
-    """The sharded model and optimizer state of a checkpoint written on any number of ranks: each
-    rank reads the pieces its shards need. Collective: every rank calls it."""
+    """Each rank reads the pieces its shards need, however many ranks wrote them; collective."""
     model_state, optimizer_state = get_state_dict(raw_model, optimizer)
     shards = {"model": model_state, "optimizer": optimizer_state}
     try:
@@ -663,9 +638,8 @@ def load_weights(path, raw_model, optimizer):
 # -------------------------------------------------------------------------- validation (section 7)
 
 def validate(model, val_data, setup, step):
-    """The mean loss per label and the top-1 accuracy over the same validation batches every time,
-    each rank doing its share: rank 0 alone would be world_size times slower, and would hang the
-    others if the forward communicates (FSDP all-gathers weights) or outlasts dist.timeout_s."""
+    """Mean loss per label and top-1 accuracy over the same batches each time, every rank its share:
+    rank 0 alone would be slower, and hang the others if the forward communicates (FSDP)."""
     model.eval()
     batches = val_data.validation_batches(setup.cfg)
     global_batch = setup.cfg.train.global_batch_size
@@ -757,8 +731,7 @@ RANGES = {
 
 
 class ConfigLoader(yaml.SafeLoader):
-    """YAML as a config means it: 3e-4 is a float; 010, 0x10, 1:30, yes and off stay strings (YAML
-    1.1 reads numbers and booleans); a key given twice is an error, not a silent replacement."""
+    """YAML as a config means it: 3e-4 a float, 010 and yes strings, a key given twice an error."""
 
     def construct_mapping(self, node, deep=False):
         seen_at = {}
@@ -791,8 +764,7 @@ PREPROCESS_KEYS = {"data.vocab_size": "--vocab-size", "data.val_fraction": "--va
 
 
 def load_config(args, use_cuda):
-    """DEFAULTS, then config.yaml (or the .yaml given first), then key=value arguments; a preset
-    sets only the keys both left at their defaults, and says which."""
+    """DEFAULTS, config.yaml (or a .yaml given first), key=value; a preset fills keys left alone."""
     defaults = flatten(DEFAULTS)
     flat, presets = dict(defaults), dict(PRESETS)
     config_path = Path(__file__).with_name("config.yaml")
@@ -909,8 +881,7 @@ def check_config(cfg, world_size):
             die(f"{key}={values[key]} is {OTHER_TRAINER}'s ({reason}) -> use {OTHER_TRAINER}, or "
                 f"leave {key} at {defaults[key]}")
     if cfg.optim.min_lr > cfg.optim.lr:
-        die(f"optim.min_lr={cfg.optim.min_lr} is above optim.lr={cfg.optim.lr} -> the decay ends "
-            "at min_lr: lower it")
+        die(f"optim.min_lr={cfg.optim.min_lr} is above optim.lr={cfg.optim.lr} -> lower min_lr")
     if not cfg.model.pretrained and cfg.model.n_embd % cfg.model.n_head:
         die(f"model.n_embd={cfg.model.n_embd} is not divisible by model.n_head={cfg.model.n_head} "
             "-> change one of them")
@@ -1274,9 +1245,8 @@ def memory_prediction(raw_model, device):
             weights += local.numel() * local.element_size()
             trained += local.numel() * local.element_size() if parameter.requires_grad else 0
     mib = [size / 2**20 for size in (weights, trained, 2 * trained)]
-    log0(f"memory per rank, predicted from the parameters' counts and dtypes: weights "
-         f"{mib[0]:,.1f} MiB, gradients {mib[1]:,.1f} MiB, AdamW state {mib[2]:,.1f} MiB on "
-         f"{device.type}; activations are measured at step 2")
+    log0(f"memory per rank, predicted: weights {mib[0]:,.1f} MiB, gradients {mib[1]:,.1f} MiB, "
+         f"AdamW state {mib[2]:,.1f} MiB on {device.type}; activations are measured at step 2")
     return {"weights": weights, "gradients": trained, "optimizer": 2 * trained}
 
 
@@ -1343,16 +1313,14 @@ def tensor_bytes(state):
 
 
 def hold_directory(ckpt_dir, writing):
-    """An advisory lock on ckpt_dir/.lock, released when the process ends however it ends: a
-    second run stops before it touches anything, a dead holder never blocks. Returns the file."""
+    """A lock on ckpt_dir/.lock: a second run stops; a dead run's lock is gone with its process."""
     if not writing and not ckpt_dir.is_dir():
         return None
     try:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
         lock = open(ckpt_dir / ".lock", "a+")
     except OSError as error:
-        die(f"cannot write to checkpoint.dir={ckpt_dir} ({error}) -> set checkpoint.dir to a "
-            "writable directory")
+        die(f"cannot write to checkpoint.dir={ckpt_dir} ({error}) -> give a writable directory")
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -1371,16 +1339,14 @@ def hold_directory(ckpt_dir, writing):
 
 
 def find_resume_checkpoint(ckpt_dir, resume):
-    """resume=auto: the newest intact checkpoint (the `latest` pointer first, then newest to oldest:
-    a damaged one is passed over, and the log says so); never; or a path, which must be intact."""
+    """auto: the newest intact checkpoint (`latest` first, damaged ones skipped); never; a path."""
     for leftover in [*ckpt_dir.glob(".tmp-step_*"), *ckpt_dir.glob(".latest-*")]:
         log0(f"removing {leftover}, left by a run that stopped while writing a checkpoint")
         shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
     existing = complete_checkpoints(ckpt_dir)
     if resume == "never" and existing:
-        die(f"{ckpt_dir} already holds checkpoints ({existing[-1].name}) and "
-            "checkpoint.resume=never would overwrite them -> continue with checkpoint.resume=auto "
-            "or choose another checkpoint.dir")
+        die(f"{ckpt_dir} already holds checkpoints ({existing[-1].name}), checkpoint.resume=never "
+            "would overwrite them -> use checkpoint.resume=auto, or another checkpoint.dir")
     if resume in ("auto", "never"):
         pointer = ckpt_dir / "latest"
         pointed = [ckpt_dir / pointer.read_text().strip()] if pointer.is_file() else []
@@ -1390,8 +1356,7 @@ def find_resume_checkpoint(ckpt_dir, resume):
                 return candidate
             log0(f"warning: {candidate} is damaged ({damage}); trying the next older checkpoint")
         if existing:
-            die(f"every checkpoint in {ckpt_dir} is damaged -> move them away to start afresh, or "
-                "restore one")
+            die(f"every checkpoint in {ckpt_dir} is damaged -> move them away, or restore one")
         return None
     if not is_complete(Path(resume)):
         die(f"checkpoint.resume={resume} is not a complete checkpoint directory (needs "
@@ -1472,8 +1437,7 @@ def check_shared_directory(ckpt_dir):
         try:
             marker.write_text(token)  # into the directory hold_directory made
         except OSError as error:
-            die(f"cannot write to checkpoint.dir={ckpt_dir} ({error}) -> set checkpoint.dir to a "
-                "writable directory")
+            die(f"cannot write to checkpoint.dir={ckpt_dir} ({error}) -> give a writable directory")
 
     def check_marker():
         if not marker.is_file() or marker.read_text() != token:
@@ -1538,7 +1502,6 @@ class Interval:
         self.loss_sum.zero_()
 
     def add_step(self, result, flops_of):
-        """A finished step (train_step's result): its tokens, FLOPs and loss are counted."""
         self.steps, self.input_tokens = self.steps + 1, self.input_tokens + result.input_tokens
         self.flops += flops_of(result.lengths)
         self.skipped += result.bad
@@ -1672,8 +1635,7 @@ def write_metrics(setup, record):
 
 
 class SpanTimer:
-    """`with timer:` sums a span over a log interval without a wait for the GPU: on a GPU two CUDA
-    events time it as the GPU lives it (the host runs ahead); on a CPU the host's clock."""
+    """`with timer:` sums a span over a log interval without a host wait (CUDA events on a GPU)."""
 
     def __init__(self, device):
         self.on_gpu, self.host_s, self.recorded, self.spare = device.type == "cuda", 0.0, [], []
@@ -1712,8 +1674,7 @@ def peak_flops_per_gpu(device, peak_tflops):
         return peak_tflops * 1e12 if device.type == "cuda" else None
     name = torch.cuda.get_device_name(device)
     if name not in PEAK_BF16_TFLOPS:
-        log0(f"note: no MFU: the bf16 peak of '{name}' is not in PEAK_BF16_TFLOPS -> set "
-             "log.peak_tflops")
+        log0(f"note: no MFU: '{name}' is not in PEAK_BF16_TFLOPS -> set log.peak_tflops")
     return PEAK_BF16_TFLOPS[name] * 1e12 if name in PEAK_BF16_TFLOPS else None
 
 
@@ -2398,8 +2359,7 @@ def save_fault(step):
 
 
 def ended_attempt(code=None, line=None):
-    """A torchrun restart cannot undo a stop or a mistake: an attempt that ended so notes it (a
-    file named after torchrun's PID), and the next one ends alike at once."""
+    """A restart can't undo a stop or mistake: an ending attempt notes it, the next ends alike."""
     note = Path(tempfile.gettempdir()) / f"train-ended-{os.getppid()}.json"
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "-1"))
     if code is not None and restarts >= 0:
