@@ -253,7 +253,8 @@ def step_verdict(grad_norm, setup, run):
 
 def wrap_model(raw_model, cfg, device, use_compile):
     """The model each step calls, and how gradients reach every rank (`parallel.sync`, `.finish`):
-    DDP, InlineReducer or NaiveReducer (dist.reducer); one process needs none."""
+    DDP, InlineReducer or NaiveReducer (dist.reducer); one process needs none, and DDP would only
+    split its compiled graph."""
     nothing = SimpleNamespace(sync=lambda last: contextlib.nullcontext(), finish=lambda: None)
     if dist.get_world_size() == 1:
         return torch.compile(raw_model) if use_compile else raw_model, nothing
@@ -1625,7 +1626,8 @@ def write_metrics(setup, record):
 
 
 class SpanTimer:
-    """`with timer:` sums a span over a log interval without a host wait (CUDA events on a GPU)."""
+    """`with timer:` sums a span over a log interval without a host wait: on a GPU two CUDA events
+    time it as the GPU runs it (the host runs ahead), on a CPU the host's clock."""
 
     def __init__(self, device):
         self.on_gpu, self.host_s, self.recorded, self.spare = device.type == "cuda", 0.0, [], []
@@ -2698,7 +2700,8 @@ def save_fault(step):
 
 
 def ended_attempt(code=None, line=None):
-    """A restart can't undo a stop or mistake: an ending attempt notes it, the next ends alike."""
+    """A torchrun restart cannot undo a stop or a mistake: an attempt that ends so notes it in a
+    file named after torchrun's PID, and the next attempt ends alike at once."""
     note = Path(tempfile.gettempdir()) / f"train-ended-{os.getppid()}.json"
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "-1"))
     if code is not None and restarts >= 0:

@@ -1635,7 +1635,8 @@ def write_metrics(setup, record):
 
 
 class SpanTimer:
-    """`with timer:` sums a span over a log interval without a host wait (CUDA events on a GPU)."""
+    """`with timer:` sums a span over a log interval without a host wait: on a GPU two CUDA events
+    time it as the GPU runs it (the host runs ahead), on a CPU the host's clock."""
 
     def __init__(self, device):
         self.on_gpu, self.host_s, self.recorded, self.spare = device.type == "cuda", 0.0, [], []
@@ -2359,7 +2360,8 @@ def save_fault(step):
 
 
 def ended_attempt(code=None, line=None):
-    """A restart can't undo a stop or mistake: an ending attempt notes it, the next ends alike."""
+    """A torchrun restart cannot undo a stop or a mistake: an attempt that ends so notes it in a
+    file named after torchrun's PID, and the next attempt ends alike at once."""
     note = Path(tempfile.gettempdir()) / f"train-ended-{os.getppid()}.json"
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "-1"))
     if code is not None and restarts >= 0:
