@@ -2266,7 +2266,7 @@ def test_the_host_waits_for_the_gpu_once_a_step_after_queuing_its_backward_and_t
 @pytest.mark.parametrize("name", ["train_ddp", "train_fsdp"])
 def test_batches_go_to_the_gpu_from_contiguous_pinned_memory(name, monkeypatch):
     """A causal micro-batch's inputs and labels are strided slices of one block. pin_memory() keeps
-    the strides, and CUDA's copy of a strided source goes through a contiguous pageable temporary:
+    the strides, and torch's CUDA copy of a strided source (2.11) goes through a pageable temporary:
     a copy that waits for the GPU. What on_device pins must be contiguous; the copy is faked here
     (no GPU), its source recorded."""
     pinned = []
