@@ -493,8 +493,8 @@ def rank_batches(split_data, position, shuffle_seed, cfg, world_size, rank, devi
 def on_device(batch, device):
     """A micro-batch on the device: the model's inputs and labels, and the input ids on the host."""
     host_input_ids = batch["input_ids"]  # kept on the host: what it holds is known without a wait
-    if device.type == "cuda":  # pinned and contiguous: a copy from pageable memory, or of a strided
-        # view (pinned, it keeps its strides; torch 2.11 copies it via a pageable temporary), waits
+    if device.type == "cuda":  # a copy from pinned memory does not make the host wait. Contiguous
+        # first: a pinned view keeps its strides, and torch 2.11 copies those via pageable memory
         batch = {key: None if value is None else value.contiguous().pin_memory().to(
             device, non_blocking=True) for key, value in batch.items()}
     labels = batch.pop("labels")

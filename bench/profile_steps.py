@@ -14,10 +14,10 @@ union of kernel intervals: 1 - busy/wall is the time the GPU sat idle), the unio
 kernels, the sum of NCCL kernel times (an NCCL kernel also runs while it waits for the other rank,
 so a large sum on one rank points at the other) and the count of GPU activities (kernels, copies
 and memsets). Rank 0 also prints the top kernels and host calls, the operator chain above every
-cudaMemcpyAsync, cudaStreamSynchronize, cudaEventSynchronize and
-cudaDeviceSynchronize, i.e. where the host waited for the GPU; and `GAP` lines: the stretches in
-which the GPU sat idle, each charged to the operators that launched the kernel ending it (where
-the host was late). PROF_STACK=1 records Python stacks in the profile too. CUDA only.
+cudaMemcpyAsync, cudaStreamSynchronize, cudaEventSynchronize and cudaDeviceSynchronize, i.e. where
+the host waited for the GPU; and `GAP` lines: the stretches in which the GPU sat idle, each
+charged to the operators that launched the kernel ending it (where the host was late).
+PROF_STACK=1 records Python stacks in the profile too. CUDA only.
 A tiered run (model.embedding_gpu_rows): rank 0 also prints one `HOST` line per TieredEmbedding
 method (stage, start_step, gradient_ready, step, write_to_tables): its calls and host time in the
 window.
