@@ -1302,7 +1302,7 @@ def tensor_bytes(state):
 
 
 def hold_directory(ckpt_dir, writing):
-    """A lock on ckpt_dir/.lock: a second run stops; a dead run's lock is gone with its process."""
+    """Lock ckpt_dir/.lock through the open file returned; a dead run's lock ends with it."""
     if not writing and not ckpt_dir.is_dir():
         return None
     try:
