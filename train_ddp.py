@@ -1302,7 +1302,7 @@ def tensor_bytes(state):
 
 
 def hold_directory(ckpt_dir, writing):
-    """Lock ckpt_dir/.lock through the open file returned; a dead run's lock ends with it."""
+    """Lock ckpt_dir/.lock so a second run stops; the open file returned holds it till exit."""
     if not writing and not ckpt_dir.is_dir():
         return None
     try:

@@ -223,7 +223,7 @@ STAGES = {
                                        "variant:max_autotune_gemm"], "shape": "B", "gpus": 1,
                              "steps": 30, "skip_steps": 10, "log_every": 5, "timeout_s": 280,
                              "budget_s": 580, "batch": {"micro_batch_size": 32}},
-    # on shape A: each kernel's launch parameters tuned, given the call's whole time to compile
+    # on shape A: each kernel's launch parameters tuned, given most of a call's time to compile
     "tuned_shapeA_1gpu": {"sides": ["ours", "variant:inductor_tuned"], "shape": "A", "gpus": 1,
                           "steps": 150, "skip_steps": 20, "log_every": 10, "timeout_s": 480,
                           "budget_s": 580, "batch": {"micro_batch_size": 32}},
