@@ -227,6 +227,12 @@ STAGES = {
     "tuned_shapeA_1gpu": {"sides": ["ours", "variant:inductor_tuned"], "shape": "A", "gpus": 1,
                           "steps": 150, "skip_steps": 20, "log_every": 10, "timeout_s": 480,
                           "budget_s": 580, "batch": {"micro_batch_size": 32}},
+    # on shape A: the captured step, alone and with each kernel's launch parameters tuned
+    "captured_tuned_shapeA_1gpu": {"sides": ["ours", "nanogpt", "variant:cuda_graphs_captured",
+                                             "variant:captured_tuned"], "shape": "A", "gpus": 1,
+                                   "steps": 150, "skip_steps": 20, "log_every": 10,
+                                   "timeout_s": 400, "budget_s": 580,
+                                   "batch": {"micro_batch_size": 32}},
     # on shape A: matmuls autotuned, alone and with the captured step, against nanoGPT
     "inductor_shapeA_1gpu": {"sides": ["ours", "nanogpt", "variant:max_autotune_gemm",
                                        "variant:captured_autotuned"], "shape": "A", "gpus": 1,
@@ -671,6 +677,8 @@ VARIANTS = {
     "max_autotune_gemm": [AUTOTUNE_GEMM],
     # both levers that might add up: the captured step with its matmuls autotuned
     "captured_autotuned": [*CAPTURED, AUTOTUNE_GEMM],
+    # the two that gained most on shape A, together: the captured step, its kernels tuned
+    "captured_tuned": [*CAPTURED, inductor_option("coordinate_descent_tuning")],
     # SDPA through cuDNN's attention alone, not flash
     "sdpa_cudnn": [("def main():\n", "def main():\n"
                     "    torch.backends.cuda.enable_flash_sdp(False)\n"
