@@ -382,7 +382,9 @@ stop_torchrun() {  # trap for SIGTERM and SIGINT, set before torchrun starts
       pkill -KILL -P "$TORCHRUN_PID" 2>/dev/null || true
       kill -KILL "$TORCHRUN_PID" 2>/dev/null || true
     fi
-    return
+    # 0: a bare return in a trap gives the interrupted command's status (a wait's 143), and set -e
+    # would then end this script, leaving torchrun running
+    return 0
   fi
   # Once: torchrun may get signals of its own too, and a third would break its shutdown (see the top).
   # SIGTERM also for SIGINT: torchrun, a background job, ignores SIGINT until its workers start.

@@ -4846,6 +4846,36 @@ def test_sigterm_to_launch_stops_torchrun_and_every_worker_and_exits_non_zero(tm
     assert not survivors
 
 
+def test_a_second_stop_signal_while_launch_waits_leaves_it_watching_torchrun(tmp_path):
+    """launch.sh's trap for a stop signal, as launch.sh defines it, under its set -e: a second
+    signal that interrupts a `wait` must not end the script, which would leave torchrun running."""
+    text = (REPO / "launch.sh").read_text()
+    trap = re.search(r"^stop_torchrun\(\) \{.*?^\}\n", text, re.MULTILINE | re.DOTALL).group(0)
+    script = tmp_path / "probe.sh"
+    script.write_text("set -euo pipefail\nSTOPPED_BY='' STOPPED_AT_ONCE='' STARTING=1\n" + trap +
+                      "trap 'stop_torchrun TERM' TERM\n"
+                      "( trap '' TERM; sleep 60 ) >/dev/null &\n"  # torchrun, deaf to signals
+                      "TORCHRUN_PID=$!\n"
+                      "echo waiting\n"
+                      "wait \"$TORCHRUN_PID\" || echo \"first signal: wait $?\"\n"
+                      "wait \"$TORCHRUN_PID\" || echo \"second signal: wait $?\"\n"
+                      "echo still watching\n")
+    probe = subprocess.Popen(["bash", str(script)], stdout=subprocess.PIPE, text=True,
+                             start_new_session=True)
+    try:
+        assert probe.stdout.readline() == "waiting\n"
+        time.sleep(0.3)
+        for _ in range(2):
+            probe.send_signal(signal.SIGTERM)
+            time.sleep(0.5)
+        stdout, _ = probe.communicate(timeout=30)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(probe.pid, signal.SIGKILL)  # the sleep
+    assert "second signal: wait 143" in stdout and "still watching" in stdout, \
+        (probe.returncode, stdout)
+
+
 @pytest.mark.parametrize("resume, command", [
     ("auto", "run the same command again"),
     ("never", "run the same command with checkpoint.resume=auto added"),
