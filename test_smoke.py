@@ -50,6 +50,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import types
@@ -2942,7 +2943,7 @@ def test_a_preemption_signalling_launch_torchrun_and_every_worker_twice_stops_af
             f"out_dir={tmp_path}", f"checkpoint.dir={tmp_path}/ckpt",
             *(["checkpoint.async_save=true"] if trainer == "train_fsdp.py" else [])]
     launch, port = launch_training(tmp_path, *args, script=trainer)
-    output = []
+    output, reader = [], None
     try:
         read_until(launch, "step 5/", output)
         everyone = [launch.pid, *processes_of(port)]
@@ -2952,11 +2953,20 @@ def test_a_preemption_signalling_launch_torchrun_and_every_worker_twice_stops_af
             for pid in everyone:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGTERM)
-        output += launch.stdout.readlines()
+        # bounded: a launch.sh gone before torchrun would leave torchrun's log stream open for ever
+        reader = threading.Thread(target=lambda: output.extend(launch.stdout.readlines()),
+                                  daemon=True)
+        reader.start()
+        reader.join(timeout=150)
         launch.wait(timeout=120)
         survivors = [pid for pid in processes_of(port) if is_running(pid)]
     finally:
+        for pid in processes_of(port):  # torchrun too, should launch.sh have left it running
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         kill_process_tree(launch.pid)
+        if reader is not None:
+            reader.join(timeout=10)
     text = "".join(output)
     assert launch.returncode == 3 and not survivors, (survivors, text[-3000:])
     stopped = re.search(r"^stopped at step (\d+) by a stop signal; checkpoint \S+ is written", text,
