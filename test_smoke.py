@@ -4864,7 +4864,8 @@ def test_a_second_stop_signal_while_launch_waits_leaves_it_watching_torchrun(tmp
     script = tmp_path / "probe.sh"
     script.write_text("set -euo pipefail\nSTOPPED_BY='' STOPPED_AT_ONCE='' STARTING=1\n" + trap +
                       "trap 'stop_torchrun TERM' TERM\n"
-                      "( trap '' TERM; sleep 60 ) >/dev/null &\n"  # torchrun, deaf to signals
+                      # stands for torchrun; deaf to SIGTERM, so it outlives both signals
+                      "( trap '' TERM; sleep 60 ) >/dev/null &\n"
                       "TORCHRUN_PID=$!\n"
                       "echo waiting\n"
                       "wait \"$TORCHRUN_PID\" || echo \"first signal: wait $?\"\n"
