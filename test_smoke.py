@@ -5484,6 +5484,19 @@ def test_profile_steps_hooks_into_both_trainers_the_captured_variant_and_nanogpt
     assert operators == {1: step, 2: adamw, 3: forward}
     assert profile_steps.idle_gaps(kernels, operators) == {"AdamW.step <- train_step": (200, 2),
                                                            "aten::mm <- train_step": (50, 1)}
+    # kernel time by kind, named as cuBLAS, cuDNN and inductor name their kernels on an H100
+    names = ["nvjet_tst_192x192_64x4_2x1_v_bz_coopB_TNT", "sm90_xmma_gemm_bf16bf16_bf16f32",
+             "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7",
+             "triton_per_fused_add_native_layer_norm_0", "triton_poi_fused_add_mul_pow_tanh_3",
+             "triton_red_fused__log_softmax_nll_loss_forward_1", "triton_poi_fused_add_2",
+             "void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor>",
+             "Memcpy HtoD (Pinned -> Device)", "void at::native::vectorized_elementwise_kernel"]
+    kinds = profile_steps.kernel_kinds([(0, 10 * (i + 1), name) for i, name in enumerate(names)])
+    assert kinds == {"matmul (cuBLAS, CUTLASS)": (30, 2), "other (ATen)": (100, 1),
+                     "copies and memsets": (90, 1), "optimizer (fused AdamW)": (80, 1),
+                     "fused: other": (70, 1), "fused: loss (log_softmax, nll)": (60, 1),
+                     "fused: GELU": (50, 1), "fused: layer norm": (40, 1), "attention": (30, 1)}
+    assert list(kinds)[:2] == ["other (ATen)", "copies and memsets"]  # largest first
 
 
 def test_bench_stages_name_only_variants_and_config_sides_that_exist():

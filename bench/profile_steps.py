@@ -15,8 +15,10 @@ kernels, the sum of NCCL kernel times (an NCCL kernel also runs while it waits f
 so a large sum on one rank points at the other) and the count of GPU activities (kernels, copies
 and memsets). Rank 0 also prints the top kernels and host calls, the operator chain above every
 cudaMemcpyAsync, cudaStreamSynchronize, cudaEventSynchronize and cudaDeviceSynchronize, i.e. where
-the host waited for the GPU; and `GAP` lines: the stretches in which the GPU sat idle, each
-charged to the operators that launched the kernel ending it (where the host was late).
+the host waited for the GPU; `KIND` lines: the kernel time a step by kind (matmul, attention,
+inductor's fused kernels by what they hold, the optimizer); and `GAP` lines: the stretches in
+which the GPU sat idle, each charged to the operators that launched the kernel ending it (where
+the host was late).
 PROF_STACK=1 records Python stacks in the profile too. CUDA only.
 A tiered run (model.embedding_gpu_rows): rank 0 also prints one `HOST` line per TieredEmbedding
 method (stage, start_step, gradient_ready, step, write_to_tables): its calls and host time in the
@@ -95,6 +97,10 @@ class Window:
                 chains[(event.name, " <- ".join(chain))] += 1
         for (name, chain), count in chains.most_common(25):
             print("CHAIN", name, count, chain, flush=True)
+        for kind, (total, count) in kernel_kinds(kernels).items():
+            print(f"KIND {kind}: {total / 1e3 / (self.last - self.first):.1f} ms a step, "
+                  f"{100 * total / max(busy, 1):.1f}% of the GPU's busy time, {count} "
+                  "activities", flush=True)
         gaps = idle_gaps(*launch_links(self.profile))
         print(f"GAP {sum(t for t, _ in gaps.values()) / 1e3:.1f} ms of GPU idle in "
               f"{sum(n for _, n in gaps.values())} gaps of {GAP_US} us or more, by the operators "
@@ -104,6 +110,30 @@ class Window:
 
 
 GAP_US = 20  # a GPU idle this long or longer counts as a gap
+
+# a GPU activity's kind, by the first pattern its name holds (lower case); inductor names its
+# fused Triton kernels after the operators they hold
+KINDS = (("matmul (cuBLAS, CUTLASS)", ("gemm", "nvjet", "xmma", "cutlass", "cublas")),
+         ("attention", ("sdpa", "flash", "fmha", "attention")),
+         ("nccl", ("nccl",)),
+         ("optimizer (fused AdamW)", ("multi_tensor", "adam")),
+         ("fused: loss (log_softmax, nll)", ("log_softmax", "nll")),
+         ("fused: layer norm", ("layer_norm",)),
+         ("fused: GELU", ("tanh", "gelu", "erf")),  # GPT-2's is tanh's, nanoGPT's erf's
+         ("fused: other", ("triton",)),
+         ("copies and memsets", ("memcpy", "memset")))
+
+
+def kernel_kinds(kernels):
+    """{kind: (us, activities)} over (start, end, name) GPU activities, largest first."""
+    kinds = {}
+    for start, end, name in kernels:
+        lower = name.lower()
+        kind = next((kind for kind, patterns in KINDS if any(p in lower for p in patterns)),
+                    "other (ATen)")
+        total, count = kinds.get(kind, (0, 0))
+        kinds[kind] = (total + end - start, count + 1)
+    return dict(sorted(kinds.items(), key=lambda item: -item[1][0]))
 
 
 def launch_links(profile):
