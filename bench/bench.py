@@ -243,10 +243,10 @@ STAGES = {
                                   "shape": "B", "gpus": 1, "steps": 30, "skip_steps": 10,
                                   "log_every": 5, "timeout_s": 200, "budget_s": 560,
                                   "batch": {"micro_batch_size": 32}},
-    # and its loss: 300 steps on data/stdlib, validated on one global batch (it covers the split)
+    # and its loss: 200 steps on data/stdlib, validated on one global batch (it covers the split)
     "bf16_residual_loss_shapeA_1gpu": {"sides": ["ours", "variant:bf16_residual"], "shape": "A",
-                                       "gpus": 1, "steps": 300, "skip_steps": 20,
-                                       "log_every": 25, "timeout_s": 200, "budget_s": 420,
+                                       "gpus": 1, "steps": 200, "skip_steps": 20,
+                                       "log_every": 20, "timeout_s": 100, "budget_s": 200,
                                        "batch": {"micro_batch_size": 32}},
     # on shape A: matmuls autotuned, alone and with the captured step, against nanoGPT
     "inductor_shapeA_1gpu": {"sides": ["ours", "nanogpt", "variant:max_autotune_gemm",
