@@ -2151,6 +2151,65 @@ def test_model_flops_are_what_the_flop_counter_counts_with_causal_attention_half
     assert unpadded - 6 * matmul_params * 2 * 16 == 12 * 2 * 32 * (3 * 3 + 5 * 5)
 
 
+
+@pytest.mark.parametrize("model_type", ["gpt2", "llama", "bert", "vit"])
+def test_a_bf16_step_casts_each_blocks_input_so_the_residual_stream_is_bf16(model_type):
+    """Under bf16 autocast alone the blocks take fp32 inputs (the embedding's output); with
+    residual_in_bf16 every block takes bf16 and the loss moves by rounding only. An fp16 or fp32
+    step is left as it is."""
+    cfg = train_ddp.load_config([f"model.type={model_type}", *TINY_MODEL, "model.dropout=0.0"],
+                                use_cuda=False)
+    reader = {"bert": train_ddp.MaskedTokens, "vit": train_ddp.ArrowImages}.get(
+        model_type, train_ddp.ArrowTokens)
+    meta = {"vocab_size": 448, "special_tokens": dict(zip(SPECIAL_ROLES, range(5))),
+            "image_size": 32, "classes": list("abcde"), "mean": [0.5] * 3, "std": [0.25] * 3}
+    torch.manual_seed(0)
+    model, _ = train_ddp.build_model(cfg, reader, meta, torch.device("cpu"))
+    inputs = {"pixel_values": torch.randn(2, 3, 32, 32)} if model_type == "vit" else \
+        {"input_ids": torch.randint(5, 448, (2, 64))}
+
+    def loss_and_input_dtypes():
+        seen = set()  # what each block's forward receives, after any hook registered before
+        handles = [block.register_forward_pre_hook(lambda block, args: seen.add(args[0].dtype))
+                   for block in train_ddp.repeated_blocks(model)]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(**inputs).logits
+        for handle in handles:
+            handle.remove()
+        return logits.float().logsumexp(-1).mean().item(), seen
+
+    as_autocast_leaves_it, fp32_inputs = loss_and_input_dtypes()
+    assert fp32_inputs == {torch.float32}
+    for other in [torch.float16, None]:
+        train_ddp.residual_in_bf16(model, other)
+        assert loss_and_input_dtypes() == (as_autocast_leaves_it, fp32_inputs)
+    train_ddp.residual_in_bf16(model, torch.bfloat16)
+    in_bf16, inputs_seen = loss_and_input_dtypes()
+    assert inputs_seen == {torch.bfloat16}
+    assert in_bf16 != as_autocast_leaves_it and in_bf16 == pytest.approx(as_autocast_leaves_it,
+                                                                          rel=1e-2)
+
+
+
+@pytest.mark.parametrize("trainer", TRAINERS)
+def test_both_trainers_train_a_bf16_step_with_the_residual_stream_in_bf16(trainer, data_dir,
+                                                                          tmp_path, monkeypatch):
+    module, seen = importlib.import_module(trainer.removesuffix(".py")), set()
+
+    def observed(model, dtype):
+        cast(model, dtype)
+        for block in module.repeated_blocks(model):
+            block.register_forward_pre_hook(lambda block, args: seen.add(args[0].dtype))
+
+    cast = module.residual_in_bf16
+    monkeypatch.setattr(module, "residual_in_bf16", observed)
+    error, printed = train_in_process(
+        f"data.dir={data_dir}", *TINY_MODEL, "train.precision=bf16", "train.max_steps=1",
+        "checkpoint.every=0", "export=false", f"out_dir={tmp_path}", trainer=module)
+    assert error is None and "precision bf16" in printed, error
+    assert seen == {torch.bfloat16}
+
+
 # ---- train_ddp.py: loss normalisation ------------------------------------------------------------
 
 def test_token_mean_gradient_is_independent_of_the_micro_batch_split_and_the_naive_mean_is_not(
@@ -5894,7 +5953,7 @@ def test_functions_both_trainers_define_are_the_same_source_but_fsdps_own():
 
 
 # Lines per file: a budget against growth.
-FILE_BUDGET = {"train_ddp.py": 2745, "train_fsdp.py": 2406}
+FILE_BUDGET = {"train_ddp.py": 2757, "train_fsdp.py": 2418}
 # What each trainer defines above its marker line, in reading order, and nothing else: all a learner
 # needs to understand training a causal LM with DDP (or FSDP).
 LESSON = {

@@ -118,6 +118,7 @@ def main():
     tier_embedding(raw_model, data_dir, meta, cfg, precision, device)  # tiered
     train_in_fp8(raw_model, cfg, device, use_compile, sharded=False)  # fp8
     raw_model.to(device)
+    residual_in_bf16(raw_model, dtype)  # in a bf16 step, the residual stream in bf16 too
     flops_of = reader.flops_counter(raw_model, attention, cfg)  # per step, for MFU
     log0(f"model {raw_model.config.model_type} ({reader.task}), "
          f"{sum(p.numel() for p in raw_model.parameters()) / 1e6:.1f}M parameters, attention "
@@ -1181,6 +1182,17 @@ def repeated_blocks(model):
             blocks += [block for block in module
                        if all(inner is not embedding for inner in block.modules())]
     return blocks
+
+
+def residual_in_bf16(model, dtype):
+    """In a bf16 step, each block's input cast to bf16. Under autocast alone the residual stream
+    stays fp32 (the embedding's output is, and so is each add with it), and its adds and norms move
+    twice the bytes. Sharded, FSDP2's bf16 weights give it bf16 as well."""
+    def cast(block, args, kwargs):  # the hidden states come first: GPT-2, Llama, BERT, ViT
+        if args and torch.is_floating_point(args[0]):
+            return (args[0].to(torch.bfloat16), *args[1:]), kwargs
+    for block in repeated_blocks(model) if dtype is torch.bfloat16 else []:
+        block.register_forward_pre_hook(cast, with_kwargs=True)
 
 
 def model_flops_counter(raw_model, shape_of):
