@@ -233,21 +233,19 @@ STAGES = {
                                    "steps": 150, "skip_steps": 20, "log_every": 10,
                                    "timeout_s": 400, "budget_s": 580,
                                    "batch": {"micro_batch_size": 32}},
-    # the residual stream in bf16 (each block's input cast), as FSDP2's bf16 policy runs it on N
-    # ranks; under autocast alone it stays fp32 (the embedding's output is), as in nanoGPT
-    "bf16_residual_shapeA_1gpu": {"sides": ["ours", "nanogpt", "variant:bf16_residual"],
-                                  "shape": "A", "gpus": 1, "steps": 150, "skip_steps": 20,
-                                  "log_every": 10, "timeout_s": 200, "budget_s": 560,
+    # the residual stream in bf16 (the trainers' residual_in_bf16) against fp32, autocast's own
+    # choice and nanoGPT's
+    "residual_shapeA_1gpu": {"sides": ["ours", "nanogpt", "variant:fp32_residual"], "shape": "A",
+                             "gpus": 1, "steps": 150, "skip_steps": 20, "log_every": 10,
+                             "timeout_s": 200, "budget_s": 560, "batch": {"micro_batch_size": 32}},
+    "residual_shapeB_1gpu": {"sides": ["ours", "nanogpt", "variant:fp32_residual"], "shape": "B",
+                             "gpus": 1, "steps": 30, "skip_steps": 10, "log_every": 5,
+                             "timeout_s": 200, "budget_s": 570, "batch": {"micro_batch_size": 32}},
+    # and its loss: 300 steps on data/stdlib, validated on one global batch (it covers the split)
+    "residual_loss_shapeA_1gpu": {"sides": ["ours", "variant:fp32_residual"], "shape": "A",
+                                  "gpus": 1, "steps": 300, "skip_steps": 20, "log_every": 25,
+                                  "timeout_s": 200, "budget_s": 420,
                                   "batch": {"micro_batch_size": 32}},
-    "bf16_residual_shapeB_1gpu": {"sides": ["ours", "nanogpt", "variant:bf16_residual"],
-                                  "shape": "B", "gpus": 1, "steps": 30, "skip_steps": 10,
-                                  "log_every": 5, "timeout_s": 200, "budget_s": 560,
-                                  "batch": {"micro_batch_size": 32}},
-    # and its loss: 200 steps on data/stdlib, validated on one global batch (it covers the split)
-    "bf16_residual_loss_shapeA_1gpu": {"sides": ["ours", "variant:bf16_residual"], "shape": "A",
-                                       "gpus": 1, "steps": 200, "skip_steps": 20,
-                                       "log_every": 20, "timeout_s": 100, "budget_s": 200,
-                                       "batch": {"micro_batch_size": 32}},
     # on shape A: matmuls autotuned, alone and with the captured step, against nanoGPT
     "inductor_shapeA_1gpu": {"sides": ["ours", "nanogpt", "variant:max_autotune_gemm",
                                        "variant:captured_autotuned"], "shape": "A", "gpus": 1,
@@ -686,18 +684,9 @@ VARIANTS = {
     "fp8_rowwise": [("Float8LinearConfig.from_recipe_name(\"tensorwise\")",
                      "Float8LinearConfig.from_recipe_name(\"rowwise\")"), COMPILE_BLOCKS],
     # inductor tunes each generated kernel's launch parameters (a longer compile)
-    "bf16_residual": [
-        ("\ndef main():\n",
-         "\ndef to_bf16(module, args, kwargs):\n"
-         "    if args:\n"
-         "        return (args[0].to(torch.bfloat16), *args[1:]), kwargs\n"
-         "    hidden = kwargs[\"hidden_states\"].to(torch.bfloat16)\n"
-         "    return args, {**kwargs, \"hidden_states\": hidden}\n"
-         "\n\ndef main():\n"),
-        ("    raw_model.to(device)\n",
-         "    raw_model.to(device)\n"
-         "    for block in repeated_blocks(raw_model) if dtype is torch.bfloat16 else []:\n"
-         "        block.register_forward_pre_hook(to_bf16, with_kwargs=True)\n")],
+    # the residual stream left in fp32, as autocast alone leaves it
+    "fp32_residual": [("    residual_in_bf16(raw_model, dtype)  # in a bf16 step, the residual "
+                       "stream in bf16 too\n", "")],
     "inductor_tuned": [inductor_option("coordinate_descent_tuning")],
     # inductor benchmarks Triton matmul templates against cuBLAS for each matmul shape and keeps
     # the faster (a longer compile); CUDA graphs stay off
