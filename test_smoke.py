@@ -2156,7 +2156,7 @@ def test_model_flops_are_what_the_flop_counter_counts_with_causal_attention_half
 def test_a_bf16_step_casts_each_blocks_input_so_the_residual_stream_is_bf16(model_type):
     """Under bf16 autocast alone the blocks take fp32 inputs (the embedding's output); with
     residual_in_bf16 every block takes bf16 and the loss moves by rounding only. An fp16 or fp32
-    step is left as it is."""
+    step, and the model outside autocast, are left as they are."""
     cfg = train_ddp.load_config([f"model.type={model_type}", *TINY_MODEL, "model.dropout=0.0"],
                                 use_cuda=False)
     reader = {"bert": train_ddp.MaskedTokens, "vit": train_ddp.ArrowImages}.get(
@@ -2168,11 +2168,11 @@ def test_a_bf16_step_casts_each_blocks_input_so_the_residual_stream_is_bf16(mode
     inputs = {"pixel_values": torch.randn(2, 3, 32, 32)} if model_type == "vit" else \
         {"input_ids": torch.randint(5, 448, (2, 64))}
 
-    def loss_and_input_dtypes():
+    def loss_and_input_dtypes(autocast=True):
         seen = set()  # what each block's forward receives, after any hook registered before
         handles = [block.register_forward_pre_hook(lambda block, args: seen.add(args[0].dtype))
                    for block in train_ddp.repeated_blocks(model)]
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             logits = model(**inputs).logits
         for handle in handles:
             handle.remove()
@@ -2180,6 +2180,7 @@ def test_a_bf16_step_casts_each_blocks_input_so_the_residual_stream_is_bf16(mode
 
     as_autocast_leaves_it, fp32_inputs = loss_and_input_dtypes()
     assert fp32_inputs == {torch.float32}
+    in_fp32 = loss_and_input_dtypes(autocast=False)
     for other in [torch.float16, None]:
         train_ddp.residual_in_bf16(model, other)
         assert loss_and_input_dtypes() == (as_autocast_leaves_it, fp32_inputs)
@@ -2188,6 +2189,7 @@ def test_a_bf16_step_casts_each_blocks_input_so_the_residual_stream_is_bf16(mode
     assert inputs_seen == {torch.bfloat16}
     assert in_bf16 != as_autocast_leaves_it and in_bf16 == pytest.approx(as_autocast_leaves_it,
                                                                           rel=1e-2)
+    assert loss_and_input_dtypes(autocast=False) == in_fp32  # as outside autocast: the sample
 
 
 
@@ -2205,9 +2207,10 @@ def test_both_trainers_train_a_bf16_step_with_the_residual_stream_in_bf16(traine
     monkeypatch.setattr(module, "residual_in_bf16", observed)
     error, printed = train_in_process(
         f"data.dir={data_dir}", *TINY_MODEL, "train.precision=bf16", "train.max_steps=1",
-        "checkpoint.every=0", "export=false", f"out_dir={tmp_path}", trainer=module)
+        "checkpoint.every=0", "log.sample_tokens=4", f"out_dir={tmp_path}", trainer=module)
     assert error is None and "precision bf16" in printed, error
-    assert seen == {torch.bfloat16}
+    assert "\nsample:\n" in printed  # generated after the export, in fp32: outside autocast
+    assert torch.bfloat16 in seen  # training
 
 
 # ---- train_ddp.py: loss normalisation ------------------------------------------------------------
@@ -5953,7 +5956,7 @@ def test_functions_both_trainers_define_are_the_same_source_but_fsdps_own():
 
 
 # Lines per file: a budget against growth.
-FILE_BUDGET = {"train_ddp.py": 2757, "train_fsdp.py": 2418}
+FILE_BUDGET = {"train_ddp.py": 2759, "train_fsdp.py": 2420}
 # What each trainer defines above its marker line, in reading order, and nothing else: all a learner
 # needs to understand training a causal LM with DDP (or FSDP).
 LESSON = {
