@@ -2189,7 +2189,7 @@ def test_a_bf16_step_casts_each_blocks_input_so_the_residual_stream_is_bf16(mode
     assert inputs_seen == {torch.bfloat16}
     assert in_bf16 != as_autocast_leaves_it and in_bf16 == pytest.approx(as_autocast_leaves_it,
                                                                           rel=1e-2)
-    assert loss_and_input_dtypes(autocast=False) == in_fp32  # as outside autocast: the sample
+    assert loss_and_input_dtypes(autocast=False) == in_fp32  # unchanged outside autocast
 
 
 
