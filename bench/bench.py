@@ -683,10 +683,10 @@ VARIANTS = {
     # torchao's rowwise recipe (a scale per row, not per tensor), blocks compiled one by one
     "fp8_rowwise": [("Float8LinearConfig.from_recipe_name(\"tensorwise\")",
                      "Float8LinearConfig.from_recipe_name(\"rowwise\")"), COMPILE_BLOCKS],
-    # inductor tunes each generated kernel's launch parameters (a longer compile)
     # the residual stream left in fp32, as autocast alone leaves it
     "fp32_residual": [("    residual_in_bf16(raw_model, dtype)  # in a bf16 step, the residual "
                        "stream in bf16 too\n", "")],
+    # inductor tunes each generated kernel's launch parameters (a longer compile)
     "inductor_tuned": [inductor_option("coordinate_descent_tuning")],
     # inductor benchmarks Triton matmul templates against cuBLAS for each matmul shape and keeps
     # the faster (a longer compile); CUDA graphs stay off
