@@ -2151,7 +2151,6 @@ def test_model_flops_are_what_the_flop_counter_counts_with_causal_attention_half
     assert unpadded - 6 * matmul_params * 2 * 16 == 12 * 2 * 32 * (3 * 3 + 5 * 5)
 
 
-
 @pytest.mark.parametrize("model_type", ["gpt2", "llama", "bert", "vit"])
 def test_a_bf16_step_casts_each_blocks_input_so_the_residual_stream_is_bf16(model_type):
     """Under bf16 autocast alone the blocks take fp32 inputs (the embedding's output); with
@@ -2192,10 +2191,11 @@ def test_a_bf16_step_casts_each_blocks_input_so_the_residual_stream_is_bf16(mode
     assert loss_and_input_dtypes(autocast=False) == in_fp32  # unchanged outside autocast
 
 
-
 @pytest.mark.parametrize("trainer", TRAINERS)
 def test_both_trainers_train_a_bf16_step_with_the_residual_stream_in_bf16(trainer, data_dir,
                                                                           tmp_path, monkeypatch):
+    """DDP, and FSDP on one rank (trained whole), cast each block's input; the export's sample,
+    generated outside autocast, still runs."""
     module, seen = importlib.import_module(trainer.removesuffix(".py")), set()
 
     def observed(model, dtype):
