@@ -2197,13 +2197,13 @@ def test_both_trainers_train_a_bf16_step_with_the_residual_stream_in_bf16(traine
     """DDP, and FSDP on one rank (trained whole), cast each block's input; the export's sample,
     generated outside autocast, still runs."""
     module, seen = importlib.import_module(trainer.removesuffix(".py")), set()
+    cast = module.residual_in_bf16
 
-    def observed(model, dtype):
+    def observed(model, dtype):  # the trainer's cast, then a record of what each block receives
         cast(model, dtype)
         for block in module.repeated_blocks(model):
             block.register_forward_pre_hook(lambda block, args: seen.add(args[0].dtype))
 
-    cast = module.residual_in_bf16
     monkeypatch.setattr(module, "residual_in_bf16", observed)
     error, printed = train_in_process(
         f"data.dir={data_dir}", *TINY_MODEL, "train.precision=bf16", "train.max_steps=1",
