@@ -5096,6 +5096,15 @@ def test_bench_reads_nanogpt_and_our_logs_over_the_same_window_and_writes_one_ro
     on_cpu = [{**r, "mfu": None, "mem_peak_gib": None, "data_wait_frac": None} for r in records[2:]]
     # null figures stay null, no error
     assert bench.read_our_metrics(on_cpu, skip_steps=2)["mfu"] is None
+    # an interval that straddles the window's start (steps 1-2 with skip 1) is left out whole, and
+    # the window says where it starts
+    straddled = bench.read_our_metrics(records, skip_steps=1)
+    assert straddled["tokens_per_sec"] == ours["tokens_per_sec"] \
+        and straddled["window"] == "steps 3-6"
+    # so every stage skips whole logged intervals: its window is the one its name says
+    for name, stage in bench.STAGES.items():
+        if "log_every" in stage:
+            assert stage["skip_steps"] % stage["log_every"] == 0, name
 
     common = {"date": "2026-12-01", "machine": "2 × GPU", "nanogpt_commit": "3adf61e1",
               "tiny": False}
@@ -5154,6 +5163,23 @@ def test_bench_reads_nanogpt_and_our_logs_over_the_same_window_and_writes_one_ro
     summary = bench.summary_markdown(micro, list(rows.values()))
     assert "| shapeA_1gpu / config:micro32 | 1 |" in summary \
         and "nanogpt_micro32 |" not in summary.split("Commands")[0]
+
+
+def test_bench_reads_the_trainer_against_nanogpt_at_the_same_micro_batch_from_each_pairing_stage():
+    """Each stage in SAME_MICRO_STAGES that ran the trainer and nanoGPT gives the same-micro rows;
+    a variant beside them does not stand in for the trainer."""
+    bench = load_bench()
+    for stage in bench.SAME_MICRO_STAGES:
+        records = [{"date": "2026-12-01", "machine": "1 × GPU", "tiny": False, "gpus": 1,
+                    "stage": f"{stage}_shapeB_1gpu", "side": side, "command": side,
+                    "tokens_per_sec": tps, "mfu": mfu, "tokens_per_sec_max_over_min": 1.01}
+                   for side, tps, mfu in [("ours", 106.0, 0.47), ("nanogpt", 100.0, None),
+                                          ("variant:fp32_residual", 101.0, 0.44)]]
+        rows = {row["metric"]: row for row in bench.figures(records)}
+        same = rows["shapeB_1gpu_vs_nanogpt_same_micro_tokens_per_sec"]
+        assert same["ratio"] == pytest.approx(1.06) and same["command"] == "ours", stage
+        assert rows["shapeB_1gpu_mfu"]["value"] == 0.47, stage
+    assert "residual" in bench.SAME_MICRO_STAGES
 
 
 def test_bench_compares_the_inline_reducer_with_ddp_and_derives_ddps_exposed_communication():

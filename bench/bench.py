@@ -92,7 +92,8 @@ def fp8_pair(variant, shape, **settings):
 
 
 # steps: optimizer steps each side runs; skip_steps: the first steps left out of the figures
-# (compile, allocator warm-up). The window (skip_steps, steps] is the same for every side of a
+# (compile, allocator warm-up), a multiple of log_every: a logged interval that straddles it would
+# be left out whole. The window (skip_steps, steps] is the same for every side of a
 # stage, sized for 20-30 s of steady state on an H200. timeout_s holds for each side on its own; a
 # side of shape A takes 1-2 minutes in all, one of shape B about 3, mostly start-up and compiling.
 # budget_s (GPU calls): the stage's sides together; each side's timeout is cut to what is left.
@@ -133,12 +134,12 @@ STAGES = {
     # the loss after 300 steps on data/stdlib, fp8 against bf16: a global batch of 8 samples, so
     # that 300 steps fit a call; the validation loss over 4 batches (the whole validation split).
     # both sides' blocks compiled one by one: it compiles in a third of the time
-    "fp8_loss_llama1p3b_1gpu": fp8_pair("compile_blocks", "1.3B", steps=300, skip_steps=20,
+    "fp8_loss_llama1p3b_1gpu": fp8_pair("compile_blocks", "1.3B", steps=300, skip_steps=25,
                                         log_every=25, timeout_s=280, budget_s=560,
                                         batch={"micro_batch_size": 8, "global_batch_size": 8},
                                         extra=["train.eval_batches=4"]),
     # the same for shape B's Llama
-    "fp8_loss_shapeB_1gpu": fp8_pair("compile_blocks", "B", steps=300, skip_steps=20, log_every=25,
+    "fp8_loss_shapeB_1gpu": fp8_pair("compile_blocks", "B", steps=300, skip_steps=25, log_every=25,
                                      timeout_s=280, budget_s=560,
                                      batch={"micro_batch_size": 8, "global_batch_size": 8},
                                      extra=["train.eval_batches=4"]),
@@ -243,7 +244,7 @@ STAGES = {
                              "timeout_s": 200, "budget_s": 570, "batch": {"micro_batch_size": 32}},
     # and its loss: 300 steps on data/stdlib, validated on one global batch (it covers the split)
     "residual_loss_shapeA_1gpu": {"sides": ["ours", "variant:fp32_residual"], "shape": "A",
-                                  "gpus": 1, "steps": 300, "skip_steps": 20, "log_every": 25,
+                                  "gpus": 1, "steps": 300, "skip_steps": 25, "log_every": 25,
                                   "timeout_s": 200, "budget_s": 420,
                                   "batch": {"micro_batch_size": 32}},
     # on shape A: matmuls autotuned, alone and with the captured step, against nanoGPT
@@ -324,7 +325,7 @@ STAGES = {
                                  "log_every": 10, "timeout_s": 200},
     # syncs between host and GPU, counted by torch.cuda.set_sync_debug_mode over 40 steps
     "sync_check_shapeA_1gpu": {"sides": ["variant:sync_debug"], "shape": "A", "gpus": 1,
-                               "steps": 40, "skip_steps": 10, "log_every": 20, "timeout_s": 200},
+                               "steps": 40, "skip_steps": 20, "log_every": 20, "timeout_s": 200},
     # DDP's reducer ("ours") against InlineReducer ("ours_inline") and bf16 gradient compression
     # (SIDE_OVERRIDES). variant:no_comm all-reduces nothing (a clock, not training): DDP's exposed
     # communication is the step time "ours" has above it. One such stage per call.
@@ -395,7 +396,7 @@ STAGES = {
     # host-GPU syncs of the tiered run (its step should add none), counted as in
     # sync_check_shapeA_1gpu; a stage of its own to keep tiered_embedding_1gpu short
     "tiered_sync_check_1gpu": {"sides": ["variant:sync_debug"], "shape": "A", "gpus": 1,
-                               "steps": 40, "skip_steps": 10, "log_every": 20, "timeout_s": 240,
+                               "steps": 40, "skip_steps": 20, "log_every": 20, "timeout_s": 240,
                                "zipf_data": True,
                                "batch": {"vocab_size": 500_000, "micro_batch_size": 8},
                                "extra": ["model.tie_word_embeddings=false",
@@ -1387,12 +1388,13 @@ def read_our_metrics(records, skip_steps, images_per_step=None):
     train = [r for r in records if r.get("kind") == "train"]
     done = seconds = mfu_seconds = wait_seconds = 0.0
     previous_done = previous_step = steps = 0  # a fresh run: run_ours empties its run directory
-    window, has_wait, comm = [], True, {key: [] for key in COMM_KEYS}
+    window, window_start, has_wait, comm = [], 0, True, {key: [] for key in COMM_KEYS}
     for r in train:
         seen = r["step"] * images_per_step if images_per_step else r["tokens_seen"]
         interval_done, previous_done = seen - previous_done, seen
+        first_step = previous_step + 1  # of the steps this record covers
         interval_steps, previous_step = r["step"] - previous_step, r["step"]
-        if r["step"] <= skip_steps:
+        if first_step <= skip_steps:  # also one that straddles the window's start: it is left out
             continue
         interval_s = interval_done / r[rate_key]
         done += interval_done
@@ -1402,6 +1404,7 @@ def read_our_metrics(records, skip_steps, images_per_step=None):
         has_wait = has_wait and r.get(DATA_WAIT_KEY) is not None
         wait_seconds += (r.get(DATA_WAIT_KEY) or 0.0) * interval_s
         window.append(r)
+        window_start = window_start or first_step
         for key in COMM_KEYS:
             if r.get(key) is not None:
                 comm[key].append(r[key])
@@ -1428,7 +1431,7 @@ def read_our_metrics(records, skip_steps, images_per_step=None):
         "data_wait_fraction": wait_seconds / seconds if has_wait else None,
         # NVML's figure at each log line
         "gpu_util_mean": sum(gpu_utils) / len(gpu_utils) if gpu_utils else None,
-        "window": f"steps {skip_steps + 1}-{window[-1]['step']}",
+        "window": f"steps {window_start}-{window[-1]['step']}",
         "window_s": round(seconds, 2),
         "peak_mem_gib": max((r["mem_peak_gib"] for r in train if r.get("mem_peak_gib") is not None),
                             default=None),
@@ -1945,7 +1948,7 @@ def losses(side, baseline):
 
 
 # stages that pair the trainer with nanoGPT, both with micro-batches of 32, the first found used
-SAME_MICRO_STAGES = ["same_micro", "step_end", "host_levers", "graphs2", "inductor"]
+SAME_MICRO_STAGES = ["same_micro", "step_end", "host_levers", "graphs2", "inductor", "residual"]
 
 
 def figures(stage_records):
