@@ -1185,16 +1185,16 @@ def repeated_blocks(model):
 
 
 def residual_in_bf16(model, dtype):
-    """In a bf16 step, each block's input cast to bf16. Under autocast alone the residual stream
-    stays fp32 (the embedding's output is, and so is each add with it), and its adds and norms move
-    twice the bytes. Sharded, FSDP2's bf16 weights give it bf16 as well. Outside autocast (the
-    export's sample) the fp32 weights need fp32 inputs: left as they are."""
+    """In a bf16 step, each block's input cast to bf16: under autocast alone the residual stream
+    stays fp32, as the embedding's output is, and its adds and norms move twice the bytes. Outside
+    autocast (the export's sample) fp32 weights need fp32 inputs."""
     def cast(block, args, kwargs):  # the hidden states come first: GPT-2, Llama, BERT, ViT
         if args and torch.is_floating_point(args[0]) and \
                 torch.is_autocast_enabled(args[0].device.type):
             return (args[0].to(torch.bfloat16), *args[1:]), kwargs
-    for block in repeated_blocks(model) if dtype is torch.bfloat16 else []:
-        block.register_forward_pre_hook(cast, with_kwargs=True)
+    if dtype is torch.bfloat16:  # fp16 and fp32 steps are left as they are
+        for block in repeated_blocks(model):
+            block.register_forward_pre_hook(cast, with_kwargs=True)
 
 
 def model_flops_counter(raw_model, shape_of):
