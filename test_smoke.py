@@ -5305,6 +5305,32 @@ def test_bench_stops_the_other_nodes_when_one_fails(monkeypatch):
     assert status == "failed (node 0: exit 3, node 1: exit -15)" and outputs[1] == "waiting\n"
 
 
+def test_bench_stopped_by_sigterm_stops_the_side_it_runs(tmp_path):
+    """A side runs in a process group of its own, so a SIGTERM to bench.py alone misses it."""
+    pid_file, BENCH = tmp_path / "side.pid", REPO / "bench" / "bench.py"
+    script = ("import importlib.util, sys\n"
+              f"spec = importlib.util.spec_from_file_location('bench', {str(BENCH)!r})\n"
+              "bench = importlib.util.module_from_spec(spec)\n"
+              "spec.loader.exec_module(bench)\n"
+              "bench.exit_on_sigterm()\n"
+              f"bench.run_processes(['sh', '-c', 'echo $$ > {pid_file}; exec sleep 120'], "
+              f"{str(tmp_path)!r}, [{{}}], 100, print)\n")
+    caller = subprocess.Popen([sys.executable, "-c", script])
+    for _ in range(300):
+        if pid_file.exists() and pid_file.read_text().strip():
+            break
+        time.sleep(0.1)
+    side = int(pid_file.read_text())
+    caller.send_signal(signal.SIGTERM)
+    try:
+        assert caller.wait(timeout=60) == 128 + signal.SIGTERM
+        with pytest.raises(ProcessLookupError):
+            os.kill(side, 0)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(side, signal.SIGKILL)
+
+
 def test_bench_times_ours_against_the_reference_commit_and_the_late_verdict_against_the_same_step():
     """Made-up tokens/s, a different one per side, so that a row built from the wrong two sides
     shows in its ratio."""

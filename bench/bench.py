@@ -1094,15 +1094,19 @@ def run_processes(command, cwd, env_extras, timeout_s, log, prefixes=None):
         outputs.append(lines)
         readers.append(reader)
     deadline, failed_at, status = start + timeout_s, None, None
-    while any(process.poll() is None for process in processes):
-        now = time.perf_counter()
-        if failed_at is None and any(process.poll() not in (None, 0) for process in processes):
-            failed_at = now
-        if now > deadline or (failed_at is not None and now > failed_at + FAILED_NODE_GRACE_S):
-            status = f"timeout after {timeout_s}s" if now > deadline else None
-            stop_groups([process for process in processes if process.poll() is None])
-            break
-        time.sleep(0.2)
+    try:
+        while any(process.poll() is None for process in processes):
+            now = time.perf_counter()
+            if failed_at is None and any(process.poll() not in (None, 0) for process in processes):
+                failed_at = now
+            if now > deadline or (failed_at is not None and now > failed_at + FAILED_NODE_GRACE_S):
+                status = f"timeout after {timeout_s}s" if now > deadline else None
+                stop_groups([process for process in processes if process.poll() is None])
+                break
+            time.sleep(0.2)
+    except BaseException:  # Ctrl-C, or SIGTERM through exit_on_sigterm: no side left running
+        stop_groups([process for process in processes if process.poll() is None])
+        raise
     codes = [process.wait() for process in processes]
     if status is None:
         bad = [(node, code) for node, code in enumerate(codes) if code != 0]
@@ -1125,6 +1129,13 @@ def stop_groups(processes):
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
+
+
+def exit_on_sigterm():
+    """A SIGTERM (a shell's `timeout`, a job's time limit) exits through Python, so run_processes
+    stops the side it runs: that side is in a process group of its own, which the signal misses, and
+    would go on holding the GPU and its port, training into a closed pipe."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
 def shell_text(command, env_extra, cwd):
@@ -2886,6 +2897,7 @@ def main():
         record_in_repo(summary_markdown(stage_records, rows), rows)
         return
 
+    exit_on_sigterm()
     ONLY_SIDES.update(side.strip() for side in args.sides.split(",") if side.strip())
     stage_names = (list(STAGES) if args.stages == "all"
                    else [s.strip() for s in args.stages.split(",") if s.strip()])
