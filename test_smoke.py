@@ -5307,27 +5307,28 @@ def test_bench_stops_the_other_nodes_when_one_fails(monkeypatch):
 
 def test_bench_stopped_by_sigterm_stops_the_side_it_runs(tmp_path):
     """A side runs in a process group of its own, so a SIGTERM to bench.py alone misses it."""
-    pid_file, BENCH = tmp_path / "side.pid", REPO / "bench" / "bench.py"
+    pid_file, bench_file = tmp_path / "side.pid", REPO / "bench" / "bench.py"
     script = ("import importlib.util, sys\n"
-              f"spec = importlib.util.spec_from_file_location('bench', {str(BENCH)!r})\n"
+              f"spec = importlib.util.spec_from_file_location('bench', {str(bench_file)!r})\n"
               "bench = importlib.util.module_from_spec(spec)\n"
               "spec.loader.exec_module(bench)\n"
               "bench.exit_on_sigterm()\n"
               f"bench.run_processes(['sh', '-c', 'echo $$ > {pid_file}; exec sleep 120'], "
               f"{str(tmp_path)!r}, [{{}}], 100, print)\n")
-    caller = subprocess.Popen([sys.executable, "-c", script])
-    for _ in range(300):
-        if pid_file.exists() and pid_file.read_text().strip():
-            break
-        time.sleep(0.1)
-    side = int(pid_file.read_text())
-    caller.send_signal(signal.SIGTERM)
+    caller, side = subprocess.Popen([sys.executable, "-c", script]), None
     try:
+        for _ in range(300):
+            if pid_file.exists() and pid_file.read_text().strip():
+                break
+            time.sleep(0.1)
+        side = int(pid_file.read_text())
+        caller.send_signal(signal.SIGTERM)
         assert caller.wait(timeout=60) == 128 + signal.SIGTERM
         with pytest.raises(ProcessLookupError):
             os.kill(side, 0)
     finally:
-        with contextlib.suppress(ProcessLookupError):
+        caller.kill()
+        with contextlib.suppress(ProcessLookupError, TypeError):
             os.kill(side, signal.SIGKILL)
 
 
