@@ -1101,12 +1101,10 @@ def run_processes(command, cwd, env_extras, timeout_s, log, prefixes=None):
                 failed_at = now
             if now > deadline or (failed_at is not None and now > failed_at + FAILED_NODE_GRACE_S):
                 status = f"timeout after {timeout_s}s" if now > deadline else None
-                stop_groups([process for process in processes if process.poll() is None])
                 break
             time.sleep(0.2)
-    except BaseException:  # Ctrl-C, or SIGTERM through exit_on_sigterm: no side left running
+    finally:  # a timeout, a failed node, Ctrl-C or SIGTERM (exit_on_sigterm): none left running
         stop_groups([process for process in processes if process.poll() is None])
-        raise
     codes = [process.wait() for process in processes]
     if status is None:
         bad = [(node, code) for node, code in enumerate(codes) if code != 0]
