@@ -2167,28 +2167,32 @@ def test_a_bf16_step_casts_each_blocks_input_so_the_residual_stream_is_bf16(mode
     inputs = {"pixel_values": torch.randn(2, 3, 32, 32)} if model_type == "vit" else \
         {"input_ids": torch.randint(5, 448, (2, 64))}
 
-    def loss_and_input_dtypes(autocast=True):
+    def logits_and_input_dtypes(autocast=True):
         seen = set()  # what each block's forward receives, after any hook registered before
         handles = [block.register_forward_pre_hook(lambda block, args: seen.add(args[0].dtype))
                    for block in train_ddp.repeated_blocks(model)]
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            logits = model(**inputs).logits
+            logits = model(**inputs).logits.float()
         for handle in handles:
             handle.remove()
-        return logits.float().logsumexp(-1).mean().item(), seen
+        return logits, seen
 
-    as_autocast_leaves_it, fp32_inputs = loss_and_input_dtypes()
+    def loss(logits):  # a mean over every position can hide rounding: compare logits for that
+        return logits.logsumexp(-1).mean().item()
+
+    as_autocast_leaves_it, fp32_inputs = logits_and_input_dtypes()
     assert fp32_inputs == {torch.float32}
-    in_fp32 = loss_and_input_dtypes(autocast=False)
+    in_fp32, _ = logits_and_input_dtypes(autocast=False)
     for other in [torch.float16, None]:
         train_ddp.residual_in_bf16(model, other)
-        assert loss_and_input_dtypes() == (as_autocast_leaves_it, fp32_inputs)
+        logits, inputs_seen = logits_and_input_dtypes()
+        assert torch.equal(logits, as_autocast_leaves_it) and inputs_seen == fp32_inputs
     train_ddp.residual_in_bf16(model, torch.bfloat16)
-    in_bf16, inputs_seen = loss_and_input_dtypes()
+    in_bf16, inputs_seen = logits_and_input_dtypes()
     assert inputs_seen == {torch.bfloat16}
-    assert in_bf16 != as_autocast_leaves_it and in_bf16 == pytest.approx(as_autocast_leaves_it,
-                                                                          rel=1e-2)
-    assert loss_and_input_dtypes(autocast=False) == in_fp32  # unchanged outside autocast
+    assert not torch.equal(in_bf16, as_autocast_leaves_it)
+    assert loss(in_bf16) == pytest.approx(loss(as_autocast_leaves_it), rel=1e-2)
+    assert torch.equal(logits_and_input_dtypes(autocast=False)[0], in_fp32)  # outside autocast
 
 
 @pytest.mark.parametrize("trainer", TRAINERS)
