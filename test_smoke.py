@@ -5617,6 +5617,12 @@ def test_profile_steps_hooks_into_both_trainers_the_captured_variant_and_nanogpt
                      "fused: other": (70, 1), "fused: loss (log_softmax, nll)": (60, 1),
                      "fused: GELU": (50, 1), "fused: layer norm": (40, 1), "attention": (30, 1)}
     assert list(kinds)[:2] == ["other (ATen)", "copies and memsets"]  # largest first
+    # and each kind's largest kernels by their summed time: one kernel run twice outweighs one
+    kernels = [(0, 30, names[0]), (0, 20, names[1]), (40, 60, names[1]), (0, 5, names[6])]
+    assert profile_steps.largest_kernels(kernels, top=1) == {
+        "matmul (cuBLAS, CUTLASS)": [(names[1], (40, 2))], "fused: other": [(names[6], (5, 1))]}
+    assert profile_steps.largest_kernels(kernels)["matmul (cuBLAS, CUTLASS)"] == [
+        (names[1], (40, 2)), (names[0], (30, 1))]
 
 
 def test_bench_stages_name_only_variants_and_config_sides_that_exist():

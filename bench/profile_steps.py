@@ -16,9 +16,9 @@ so a large sum on one rank points at the other) and the count of GPU activities 
 and memsets). Rank 0 also prints the top kernels and host calls, the operator chain above every
 cudaMemcpyAsync, cudaStreamSynchronize, cudaEventSynchronize and cudaDeviceSynchronize, i.e. where
 the host waited for the GPU; `KIND` lines: the kernel time a step by kind (matmul, attention,
-inductor's fused kernels by what they hold, the optimizer); and `GAP` lines: the stretches in
-which the GPU sat idle, each charged to the operators that launched the kernel ending it (where
-the host was late).
+inductor's fused kernels by what they hold, the optimizer); `TOP` lines: each kind's three
+largest kernels; and `GAP` lines: the stretches in which the GPU sat idle, each charged to the
+operators that launched the kernel ending it (where the host was late).
 PROF_STACK=1 records Python stacks in the profile too. CUDA only.
 A tiered run (model.embedding_gpu_rows): rank 0 also prints one `HOST` line per TieredEmbedding
 method (stage, start_step, gradient_ready, step, write_to_tables): its calls and host time in the
@@ -97,10 +97,15 @@ class Window:
                 chains[(event.name, " <- ".join(chain))] += 1
         for (name, chain), count in chains.most_common(25):
             print("CHAIN", name, count, chain, flush=True)
+        steps = self.last - self.first
         for kind, (total, count) in kernel_kinds(kernels).items():
-            print(f"KIND {kind}: {total / 1e3 / (self.last - self.first):.1f} ms a step, "
+            print(f"KIND {kind}: {total / 1e3 / steps:.1f} ms a step, "
                   f"{100 * total / max(busy, 1):.1f}% of the GPU's busy time, {count} "
                   "activities", flush=True)
+        for kind, names in largest_kernels(kernels).items():
+            for name, (total, count) in names:
+                print(f"TOP {kind}: {total / 1e3 / steps:.1f} ms a step, {count} activities, "
+                      f"{name[:90]}", flush=True)
         gaps = idle_gaps(*launch_links(self.profile))
         print(f"GAP {sum(t for t, _ in gaps.values()) / 1e3:.1f} ms of GPU idle in "
               f"{sum(n for _, n in gaps.values())} gaps of {GAP_US} us or more, by the operators "
@@ -124,16 +129,34 @@ KINDS = (("matmul (cuBLAS, CUTLASS)", ("gemm", "nvjet", "xmma", "cutlass", "cubl
          ("copies and memsets", ("memcpy", "memset")))
 
 
+def kind_of(name):
+    lower = name.lower()
+    return next((kind for kind, patterns in KINDS if any(p in lower for p in patterns)),
+                "other (ATen)")
+
+
 def kernel_kinds(kernels):
     """{kind: (us, activities)} over (start, end, name) GPU activities, largest first."""
     kinds = {}
     for start, end, name in kernels:
-        lower = name.lower()
-        kind = next((kind for kind, patterns in KINDS if any(p in lower for p in patterns)),
-                    "other (ATen)")
-        total, count = kinds.get(kind, (0, 0))
-        kinds[kind] = (total + end - start, count + 1)
+        total, count = kinds.get(kind_of(name), (0, 0))
+        kinds[kind_of(name)] = (total + end - start, count + 1)
     return dict(sorted(kinds.items(), key=lambda item: -item[1][0]))
+
+
+def largest_kernels(kernels, top=3):
+    """{kind: [(name, (us, activities))]}: each kind's `top` kernels by their summed time, so
+    that a kind's figure says which kernels make it."""
+    by_name = {}
+    for start, end, name in kernels:
+        total, count = by_name.get(name, (0, 0))
+        by_name[name] = (total + end - start, count + 1)
+    largest = {}
+    for name, figures in sorted(by_name.items(), key=lambda item: -item[1][0]):
+        names = largest.setdefault(kind_of(name), [])
+        if len(names) < top:
+            names.append((name, figures))
+    return largest
 
 
 def launch_links(profile):
