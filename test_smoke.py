@@ -5555,6 +5555,22 @@ def test_bench_variants_of_the_trainer_still_find_the_lines_they_replace():
             text = text.replace(old, new)
 
 
+def test_step_parts_times_the_update_over_the_parameters_the_trainers_gpt2_holds():
+    """bench/step_parts.py times AdamW over a list of tensors it builds itself: the same shapes,
+    in the same order, as the trainer's GPT-2 (at two layers of width 64 here), every one with a
+    gradient."""
+    spec = importlib.util.spec_from_file_location("step_parts", REPO / "bench" / "step_parts.py")
+    step_parts = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(step_parts)
+    cfg = train_ddp.load_config(["model.n_layer=2", "model.n_head=2", "model.n_embd=64",
+                                 f"train.seq_len={step_parts.SEQ}"], use_cuda=False)
+    meta = {"vocab_size": step_parts.VOCAB, "special_tokens": dict(zip(SPECIAL_ROLES, range(5)))}
+    model, _ = train_ddp.build_model(cfg, train_ddp.ArrowTokens, meta, torch.device("cpu"))
+    params = step_parts.shape_b_parameters("cpu", layers=2, width=64)
+    assert [p.shape for p in params] == [p.shape for p in model.parameters()]
+    assert all(p.grad is not None and p.grad.shape == p.shape for p in params)
+
+
 def test_profile_steps_hooks_into_both_trainers_the_captured_variant_and_nanogpts_loop():
     """A profile whose hook no longer finds its line stops on the GPU machine, a call late."""
     spec = importlib.util.spec_from_file_location("profile_steps",

@@ -1,9 +1,12 @@
-"""Two parts of a training step timed alone on one GPU, forward and backward, bf16: the attention
-kernel SDPA picks (flash, cuDNN, memory-efficient) and the output layer with its loss (whole, or in
-chunks of the sequence). What a lever can gain at most before a trainer side is spent on it.
+"""Parts of a training step timed alone on one GPU: forward and backward in bf16 of the attention
+kernel SDPA picks (flash, cuDNN, memory-efficient) and of the output layer with its loss (whole, or
+in chunks of the sequence); and the update, AdamW over shape B's parameters (fused, foreach,
+compiled) with the gradient clipping. What a lever can gain at most before a trainer side is spent
+on it.
 
     python3 bench/step_parts.py            # micro-batches of 32 at sequence 1024, shapes A and B
     python3 bench/step_parts.py --attention-only   # the attention kernels and SDPA's own choice
+    python3 bench/step_parts.py --optimizer-only   # the update alone
 """
 import contextlib
 import sys
@@ -88,8 +91,55 @@ def output_loss_times():
               flush=True)
 
 
+def shape_b_parameters(device="cuda", layers=36, width=1280):
+    """GPT-2 shape B's parameters as the trainers hold them, fp32, each with a random gradient:
+    720.2M values in 436 tensors."""
+    shapes = [(VOCAB, width), (SEQ, width)]
+    for _ in range(layers):
+        shapes += [(width,), (width,), (width, 3 * width), (3 * width,), (width, width), (width,),
+                   (width,), (width,), (width, 4 * width), (4 * width,), (4 * width, width),
+                   (width,)]
+    params = [torch.randn(shape, device=device, requires_grad=True)
+              for shape in shapes + [(width,), (width,)]]
+    for param in params:
+        param.grad = torch.randn_like(param)
+    return params
+
+
+def update(params, form):
+    """One AdamW step as a function, weight decay on matrices only, as the trainers group it."""
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    if form == "compiled":  # the rate a tensor, as a schedule needs it: a float is recompiled
+        optimizer = torch.optim.AdamW(groups, lr=torch.tensor(1e-4))
+        return torch.compile(lambda: optimizer.step())
+    return torch.optim.AdamW(groups, lr=1e-4, **{form: True}).step
+
+
+def copy_bandwidth(count):
+    """TB/s of a copy of `count` fp32 values: a read and a write of 4 bytes each."""
+    source, target = torch.empty(count, device="cuda"), torch.empty(count, device="cuda")
+    return 8 * count / milliseconds(lambda: target.copy_(source)) / 1e9
+
+
+def optimizer_times():
+    params = shape_b_parameters()
+    count = sum(p.numel() for p in params)
+    bandwidth = copy_bandwidth(count)
+    row = [f"clipping {milliseconds(lambda: torch.nn.utils.clip_grad_norm_(params, 1.0)):.2f} ms"]
+    for form in ("fused", "foreach", "compiled"):
+        row.append(f"AdamW {form} {milliseconds(update(params, form)):.2f} ms")
+    # AdamW reads a parameter, its gradient and two moments and writes three: 28 bytes
+    print(f"update, shape B ({count / 1e6:.1f}M parameters in {len(params)} tensors): "
+          + "; ".join(row) + f"; at a copy's {bandwidth:.2f} TB/s AdamW would take "
+          f"{28 * count / bandwidth / 1e9:.2f} ms", flush=True)
+
+
 if __name__ == "__main__":
     print(torch.__version__, torch.cuda.get_device_name(), "cuDNN", torch.backends.cudnn.version())
-    attention_times()
-    if "--attention-only" not in sys.argv:
+    if "--optimizer-only" not in sys.argv:
+        attention_times()
+    if not {"--attention-only", "--optimizer-only"} & set(sys.argv):
         output_loss_times()
+    if "--attention-only" not in sys.argv:
+        optimizer_times()
