@@ -237,6 +237,11 @@ STAGES = {
                               "shape": "B", "gpus": 1, "steps": 30, "skip_steps": 10,
                               "log_every": 5, "timeout_s": 300, "budget_s": 580,
                               "batch": {"micro_batch_size": 32}},
+    # and with coordinate-descent tuning (1.01x on its own): the two together against the trainer
+    "optimizer_tuned_shapeB_1gpu": {"sides": ["ours", "variant:tuned_compiled_optimizer"],
+                                    "shape": "B", "gpus": 1, "steps": 30, "skip_steps": 10,
+                                    "log_every": 5, "timeout_s": 420, "budget_s": 590,
+                                    "batch": {"micro_batch_size": 32}},
     # on shape A: the captured step, alone and with each kernel's launch parameters tuned
     "captured_tuned_shapeA_1gpu": {"sides": ["ours", "nanogpt", "variant:cuda_graphs_captured",
                                              "variant:captured_tuned"], "shape": "A", "gpus": 1,
@@ -601,6 +606,16 @@ COMPILE_BLOCKS = ("        return torch.compile(raw_model) if use_compile else r
                   "        for block in repeated_blocks(raw_model) if use_compile else []:\n"
                   "            block.compile()\n"
                   "        return raw_model, nothing\n")  # alone, and in fp8_levers' sides
+# the update as inductor's kernels: AdamW's default form compiled, its learning rate a tensor the
+# schedule fills in place (a float is a constant of the graph: a recompile every step)
+COMPILED_OPTIMIZER = [
+    ("        lr=cfg.optim.lr, betas=", "        lr=torch.tensor(cfg.optim.lr), betas="),
+    ("        fused=True)  # the whole update", "        )  # the whole update"),
+    ("        optimizer.step()\n", "        compiled_step(optimizer)\n"),
+    ('    lr = optimizer.param_groups[0]["lr"]', '    lr = float(optimizer.param_groups[0]["lr"])'),
+    ("def train_step(", "@torch.compile\ndef compiled_step(optimizer):\n"
+                       "    optimizer.step()\n\n\ndef train_step(")]
+
 VARIANTS = {
     "ddp_at_world_size_1": [("    if dist.get_world_size() == 1:\n        return torch.compile",
                              "    if False:\n        return torch.compile")],  # DDP on 1 process
@@ -696,16 +711,11 @@ VARIANTS = {
     # the residual stream left in fp32, as autocast alone leaves it
     "fp32_residual": [("    residual_in_bf16(raw_model, dtype)  # in a bf16 step, the residual "
                        "stream in bf16 too\n", "")],
-    # the update as inductor's kernels: AdamW's default form compiled, its learning rate a tensor
-    # the schedule fills in place (a float is a constant of the graph: a recompile every step)
-    "compiled_optimizer": [
-        ("        lr=cfg.optim.lr, betas=", "        lr=torch.tensor(cfg.optim.lr), betas="),
-        ("        fused=True)  # the whole update", "        )  # the whole update"),
-        ("        optimizer.step()\n", "        compiled_step(optimizer)\n"),
-        ('    lr = optimizer.param_groups[0]["lr"]',
-         '    lr = float(optimizer.param_groups[0]["lr"])'),
-        ("def train_step(", "@torch.compile\ndef compiled_step(optimizer):\n"
-                           "    optimizer.step()\n\n\ndef train_step(")],
+    # the update compiled (COMPILED_OPTIMIZER), alone and with every generated kernel's launch
+    # parameters tuned, the update's too
+    "compiled_optimizer": COMPILED_OPTIMIZER,
+    "tuned_compiled_optimizer": [inductor_option("coordinate_descent_tuning"),
+                                 *COMPILED_OPTIMIZER],
     # inductor tunes each generated kernel's launch parameters (a longer compile)
     "inductor_tuned": [inductor_option("coordinate_descent_tuning")],
     # inductor benchmarks Triton matmul templates against cuBLAS for each matmul shape and keeps
