@@ -367,11 +367,12 @@ def is_running(pid):
         return False
 
 
-def load_bench():
-    spec = importlib.util.spec_from_file_location("bench", REPO / "bench" / "bench.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
+def load_bench(name="bench"):
+    """bench/NAME.py as a module (bench/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 # ---- shared fixtures -----------------------------------------------------------------------------
@@ -5559,9 +5560,7 @@ def test_step_parts_times_the_update_over_the_parameters_the_trainers_gpt2_holds
     """bench/step_parts.py times AdamW over a list of tensors it builds itself: the same shapes,
     in the same order, as the trainer's GPT-2 (at two layers of width 64 here), every one with a
     gradient."""
-    spec = importlib.util.spec_from_file_location("step_parts", REPO / "bench" / "step_parts.py")
-    step_parts = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(step_parts)
+    step_parts = load_bench("step_parts")
     cfg = train_ddp.load_config(["model.n_layer=2", "model.n_head=2", "model.n_embd=64",
                                  f"train.seq_len={step_parts.SEQ}"], use_cuda=False)
     meta = {"vocab_size": step_parts.VOCAB, "special_tokens": dict(zip(SPECIAL_ROLES, range(5)))}
@@ -5573,10 +5572,7 @@ def test_step_parts_times_the_update_over_the_parameters_the_trainers_gpt2_holds
 
 def test_profile_steps_hooks_into_both_trainers_the_captured_variant_and_nanogpts_loop():
     """A profile whose hook no longer finds its line stops on the GPU machine, a call late."""
-    spec = importlib.util.spec_from_file_location("profile_steps",
-                                                  REPO / "bench" / "profile_steps.py")
-    profile_steps = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(profile_steps)
+    profile_steps = load_bench("profile_steps")
     bench = load_bench()
     captured = (REPO / "train_ddp.py").read_text()
     for old, new in bench.VARIANTS["captured_ahead"]:

@@ -610,7 +610,8 @@ COMPILE_BLOCKS = ("        return torch.compile(raw_model) if use_compile else r
 # schedule fills in place (a float is a constant of the graph: a recompile every step)
 COMPILED_OPTIMIZER = [
     ("        lr=cfg.optim.lr, betas=", "        lr=torch.tensor(cfg.optim.lr), betas="),
-    ("        fused=True)  # the whole update", "        )  # the whole update"),
+    ("        fused=True)  # the whole update in one kernel (the default: a kernel per operation "
+     "on CUDA)", "        )  # the default form: compiled_step compiles it"),
     ("        optimizer.step()\n", "        compiled_step(optimizer)\n"),
     ('    lr = optimizer.param_groups[0]["lr"]', '    lr = float(optimizer.param_groups[0]["lr"])'),
     ("def train_step(", "@torch.compile\ndef compiled_step(optimizer):\n"

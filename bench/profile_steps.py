@@ -139,8 +139,9 @@ def kernel_kinds(kernels):
     """{kind: (us, activities)} over (start, end, name) GPU activities, largest first."""
     kinds = {}
     for start, end, name in kernels:
-        total, count = kinds.get(kind_of(name), (0, 0))
-        kinds[kind_of(name)] = (total + end - start, count + 1)
+        kind = kind_of(name)
+        total, count = kinds.get(kind, (0, 0))
+        kinds[kind] = (total + end - start, count + 1)
     return dict(sorted(kinds.items(), key=lambda item: -item[1][0]))
 
 
