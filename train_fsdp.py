@@ -937,7 +937,10 @@ def unloadable(error):
 
 def log0(*values, file=None):
     if int(os.environ.get("RANK", "0")) == 0:
-        print(*values, file=file, flush=True)
+        try:
+            print(*values, file=file, flush=True)
+        except BrokenPipeError:  # its reader left (`| head`): train on, printing nowhere
+            os.dup2(os.open(os.devnull, os.O_WRONLY), (file or sys.stdout).fileno())
 
 
 # ----------------------------------------------------------------------------- 3. data
