@@ -3179,7 +3179,7 @@ def test_a_run_whose_stdout_reader_leaves_trains_on_to_its_end(data_dir, tmp_pat
     must not end the run (nor a restart under launch.sh, which would meet the same pipe)."""
     command = [sys.executable, "train_ddp.py", f"data.dir={data_dir}", *TINY_MODEL,
                "train.global_batch_size=8", "train.micro_batch_size=4", "train.max_steps=6",
-               "log.every=1", "train.eval_every=3", "checkpoint.every=0", "export=false",
+               "log.every=1", "train.eval_every=3", "checkpoint.every=0", "export=true",
                f"out_dir={tmp_path}", f"checkpoint.dir={tmp_path}/ckpt"]
     process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -3189,6 +3189,7 @@ def test_a_run_whose_stdout_reader_leaves_trains_on_to_its_end(data_dir, tmp_pat
     assert first and process.returncode == 0, stderr[-3000:]
     assert "Traceback" not in stderr and "BrokenPipeError" not in stderr, stderr[-3000:]
     assert [record["step"] for record in read_metrics(tmp_path, "train")] == [1, 2, 3, 4, 5, 6]
+    assert (tmp_path / "final" / "config.json").is_file()  # exported after the pipe broke
 
 
 def test_every_log_line_holds_the_metrics_and_tensorboard_the_same_numbers(trained_run):

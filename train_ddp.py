@@ -1702,7 +1702,7 @@ def export_final(raw_model, data_dir, meta, final_dir, cfg, device):
         raw_model.set_attn_implementation("sdpa")
     raw_model.save_pretrained(final_dir)
     tokenizer.save_pretrained(final_dir)
-    print(f"exported the model and tokenizer to {final_dir}", flush=True)
+    log0(f"exported the model and tokenizer to {final_dir}")
     if raw_model.can_generate() and cfg.log.sample_prompt:  # a causal LM: a sample of its text
         raw_model.eval()
         prompt = torch.tensor([tokenizer.encode(cfg.log.sample_prompt)], device=device)
@@ -1713,7 +1713,7 @@ def export_final(raw_model, data_dir, meta, final_dir, cfg, device):
                                            max_new_tokens=new_tokens, do_sample=True,
                                            pad_token_id=meta["special_tokens"]["pad"])
         sample = tokenizer.decode(generated[0].tolist(), skip_special_tokens=True)
-        print(f"sample:\n{sample}", flush=True)
+        log0(f"sample:\n{sample}")
 
 
 def report_lost_ranks(error):
@@ -2022,7 +2022,7 @@ def export_image_model(raw_model, data_dir, meta, final_dir, cfg, device):
                  "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
                  "image_mean": meta["mean"], "image_std": meta["std"]}
     (final_dir / "preprocessor_config.json").write_text(json.dumps(processor, indent=2) + "\n")
-    print(f"exported the model and its image processor to {final_dir}", flush=True)
+    log0(f"exported the model and its image processor to {final_dir}")
 
 
 class ArrowImages:
