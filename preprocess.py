@@ -61,8 +61,16 @@ TINY_VAL_DOCUMENTS, TINY_VAL_TOKENS = 20, 10_000
 
 def die(message):
     """For every foreseeable mistake: what is wrong -> how to fix it, one stderr line, exit 2."""
-    print("error: " + str(message).replace("\n", " "), file=sys.stderr)
+    say("error: " + str(message).replace("\n", " "), file=sys.stderr)
     sys.exit(2)
+
+
+def say(*values, file=None):
+    """print, except that a reader who leaves early (`| head`) does not end the work."""
+    try:
+        print(*values, file=file, flush=True)
+    except BrokenPipeError:  # later lines go nowhere
+        os.dup2(os.open(os.devnull, os.O_WRONLY), (file or sys.stdout).fileno())
 
 
 # ---- 1. inputs: which files, which documents, under which keys -----------------------------------
@@ -215,7 +223,7 @@ def with_progress(label, documents, stats, total_bytes):
         if now - last_print >= PROGRESS_EVERY_S:
             done_bytes, last_print = stats["input_bytes"], now
             speed = done_bytes / 1e6 / (now - start_time)
-            print(f"{label}: {done_bytes / 1e6:.1f}/{total_bytes / 1e6:.1f} MB  "
+            say(f"{label}: {done_bytes / 1e6:.1f}/{total_bytes / 1e6:.1f} MB  "
                   f"{100 * done_bytes / max(total_bytes, 1):.0f}%  {speed:.1f} MB/s  "
                   f"ETA {max(total_bytes - done_bytes, 0) / 1e6 / max(speed, 1e-9):.0f} s",
                   file=sys.stderr)
@@ -251,13 +259,13 @@ def load_tokenizer(path):
     if any(enabled):
         tokenizer.no_truncation()
         tokenizer.no_padding()
-        print(f"tokenizer {path} has {' and '.join(filter(None, enabled))} enabled: turned off, "
+        say(f"tokenizer {path} has {' and '.join(filter(None, enabled))} enabled: turned off, "
               "so that every document keeps all its tokens and no pad token enters the stream")
     missing = [role for role, names in SPECIAL_TOKEN_NAMES.items()
                if all(tokenizer.token_to_id(name) is None for name in names)]
     if missing:
         tokenizer.add_special_tokens([SPECIAL_TOKEN_NAMES[role][0] for role in missing])
-        print(f"tokenizer has no {'/'.join(missing)} token: added "
+        say(f"tokenizer has no {'/'.join(missing)} token: added "
               f"{', '.join(SPECIAL_TOKEN_NAMES[role][0] for role in missing)} as special tokens")
     return tokenizer
 
@@ -551,7 +559,7 @@ def main():
                "column": args.column, "shard_tokens": args.shard_tokens}
     input_fingerprint = fingerprint(sources, options)
     if is_up_to_date(out, input_fingerprint, args.force):
-        print(f"{out} is up to date (same inputs); --force to rebuild")
+        say(f"{out} is up to date (same inputs); --force to rebuild")
         return
 
     remove_leftovers(out)
@@ -562,7 +570,7 @@ def main():
         if tokenizer_file:
             tokenizer = load_tokenizer(tokenizer_file)
         else:
-            print(f"training a {vocab_size}-token byte-level BPE tokenizer on the train split "
+            say(f"training a {vocab_size}-token byte-level BPE tokenizer on the train split "
                   f"of {source}")
             # train split only: measure the validation loss on text the tokenizer has never seen
             stats = Counter()
@@ -576,11 +584,11 @@ def main():
             tokenizer = train_tokenizer(train_documents, vocab_size,
                                         len(sources) if all_text_files else None)
             train_seconds = time.perf_counter() - start_time
-            print(f"trained the tokenizer in {train_seconds:.1f} s")
+            say(f"trained the tokenizer in {train_seconds:.1f} s")
             trained_size = tokenizer.get_vocab_size(with_added_tokens=True)
             if trained_size < vocab_size:
                 # BPE stops when no pair of tokens is left to merge in the corpus
-                print(f"note: the tokenizer has {trained_size:,} tokens, not the {vocab_size:,} "
+                say(f"note: the tokenizer has {trained_size:,} tokens, not the {vocab_size:,} "
                       "asked for: every word of the train split is one token already "
                       "(a larger vocabulary needs more text, or --tokenizer)")
         temp_dir.mkdir(parents=True)
@@ -619,7 +627,7 @@ def main():
         shutil.rmtree(temp_dir, ignore_errors=True)  # after a failure; after success it is gone
 
     splits, megabytes = result["splits"], result["text_bytes"] / 1e6
-    print(f"{out}: {splits['train']['documents']} train / {splits['val']['documents']} val "
+    say(f"{out}: {splits['train']['documents']} train / {splits['val']['documents']} val "
           f"documents, {splits['train']['tokens'] + splits['val']['tokens']:,} tokens, "
           f"{megabytes:.1f} MB in {seconds:.1f} s ({megabytes / max(seconds, 1e-9):.1f} MB/s); "
           + (f"tokenizer from {tokenizer_file}" if tokenizer_file
@@ -628,11 +636,11 @@ def main():
              if stats["replaced"] else ""))
     val = splits["val"]
     if val["documents"] == 0:
-        print(f"warning: the val split is empty (--val-fraction {val_fraction}): no text to "
+        say(f"warning: the val split is empty (--val-fraction {val_fraction}): no text to "
               "measure a validation loss on -> pass e.g. --val-fraction 0.02 to hold out 2% of the "
               "documents", file=sys.stderr)
     elif val["documents"] < TINY_VAL_DOCUMENTS or val["tokens"] < TINY_VAL_TOKENS:
-        print(f"warning: the val split is tiny, {val['documents']} documents and {val['tokens']:,} "
+        say(f"warning: the val split is tiny, {val['documents']} documents and {val['tokens']:,} "
               f"tokens (fewer than {TINY_VAL_DOCUMENTS} documents or {TINY_VAL_TOKENS:,} tokens), "
               f"so its loss says little -> raise --val-fraction (now {val_fraction}) or give more "
               "text", file=sys.stderr)
@@ -727,14 +735,14 @@ def build_images(args):
         die(f"{source['description']}: one class only ({source['classes'][0]}) -> give it two or "
             "more classes: a sub-folder, or a label, for each")
     if source["split_given"] and args.val_fraction is not None:
-        print(f"note: the source gives the split ({source['split_given']}): --val-fraction unused")
+        say(f"note: the source gives the split ({source['split_given']}): --val-fraction unused")
     options = {"kind": "images", "image_size": size, "conversion": PIXEL_CONVERSION,
                "val_fraction": None if source["split_given"] else val_fraction}
     blob = json.dumps({"format_version": FORMAT_VERSION, "identity": source["identity"],
                        **options}, sort_keys=True)
     input_fingerprint = hashlib.sha256(blob.encode()).hexdigest()
     if is_up_to_date(out, input_fingerprint, args.force):
-        print(f"{shown(out)} is up to date (same inputs); --force to rebuild")
+        say(f"{shown(out)} is up to date (same inputs); --force to rebuild")
         return
 
     remove_leftovers(out)
@@ -760,11 +768,11 @@ def build_images(args):
 
     splits = result["splits"]
     images = splits["train"]["images"] + splits["val"]["images"]
-    print(f"{shown(out)}: {splits['train']['images']:,} train / {splits['val']['images']:,} val "
+    say(f"{shown(out)}: {splits['train']['images']:,} train / {splits['val']['images']:,} val "
           f"images of {size}x{size}, {len(source['classes'])} classes, in {seconds:.1f} s "
           f"({images / max(seconds, 1e-9):.0f} images/s, {workers} worker{'s' * (workers > 1)})")
     if splits["val"]["images"] == 0:
-        print("warning: the val split is empty: no images to measure a validation accuracy on -> "
+        say("warning: the val split is empty: no images to measure a validation accuracy on -> "
               + ("add images to the source's val split" if source["split_given"]
                  else f"raise --val-fraction (now {val_fraction})"
                  + (", e.g. to 0.1" if val_fraction < 0.1 else ", or give it more images")),
@@ -920,7 +928,7 @@ def note_similar_names(names, what):
     similar = [name for name in names
                if folded[unicodedata.normalize("NFC", name).casefold()] > 1]
     if similar:
-        print(f"note: {what} {', '.join(map(shown, similar))} differ only in case (or in how an "
+        say(f"note: {what} {', '.join(map(shown, similar))} differ only in case (or in how an "
               "accent is encoded): they are distinct classes")
 
 
@@ -993,7 +1001,7 @@ def folder_source(root, trees, found, passed_over, note, image_names):
             "in sub-folders -> pass --images " + shlex.quote(shown(class_root / classes[0])))
     note_similar_names(classes, "class folders")
     if note:
-        print(note)
+        say(note)
     # the files' sizes and times: a changed image makes a rebuild, as in the text path
     digest = hashlib.sha256(os.fsencode(root.resolve()))
     for relpath, _, _, _, stat in items:
@@ -1067,7 +1075,7 @@ def table_source(root, relpaths):
             ids = sorted(pc.unique(labels).to_pylist())
             classes, label_of = [str(i) for i in ids], {i: label for label, i in enumerate(ids)}
             if ids != list(range(len(ids))):
-                print(f"note: the labels in {root} have no names, and not all of 0 to {highest} "
+                say(f"note: the labels in {root} have no names, and not all of 0 to {highest} "
                       f"occur: the {len(ids)} that do are the classes, named by their ids")
         elif highest >= len(names):
             die(f"label {highest} in {root} has no name among the {len(names)} class names in "
@@ -1085,7 +1093,7 @@ def table_source(root, relpaths):
             f"({int((counts == 0).sum())} such classes) -> drop it from the class names")
     if val_word:
         unnamed = [shown(relpath) for (_, relpath, _), word in zip(tables, words) if word is None]
-        print("note: splits from file names: " + ", ".join(
+        say("note: splits from file names: " + ", ".join(
             (["train files -> train"] if "train" in words else []) + [f"{val_word} files -> val"]
             + ([f"{len(unnamed)} with no split in the name ({', '.join(unnamed[:3])}) -> train"]
                if unnamed else []))
@@ -1339,7 +1347,7 @@ def write_image_shards(source, out_dir, size, val_fraction, workers, upsample=Fa
         now = time.perf_counter()
         if now - last_print >= PROGRESS_EVERY_S:
             last_print, speed = now, done / (now - start_time)
-            print(f"decode: {done:,}/{source['total']:,} images  "
+            say(f"decode: {done:,}/{source['total']:,} images  "
                   f"{100 * done / source['total']:.0f}%  {speed:.0f} images/s  "
                   f"ETA {(source['total'] - done) / speed:.0f} s", file=sys.stderr)
     for writer in writers.values():
@@ -1367,16 +1375,16 @@ def write_image_shards(source, out_dir, size, val_fraction, workers, upsample=Fa
     print_skipped(skipped, named, images, passed_over)
     if scaled.total():
         modes = ", ".join(f"{count:,} {mode}" for mode, count in sorted(scaled.items()))
-        print(f"note: scaled {scaled.total():,} images of 16- or 32-bit modes ({modes}) to 8 bits, "
+        say(f"note: scaled {scaled.total():,} images of 16- or 32-bit modes ({modes}) to 8 bits, "
               "each from its own minimum..maximum to 0..255; the exported pipeline would clip them "
               "(Pillow's convert) -> pass it preprocess.to_rgb(Image.open(path)), not the path")
     if non_finite:
-        print(f"note: {len(non_finite):,} images had NaN or infinite pixels ("
+        say(f"note: {len(non_finite):,} images had NaN or infinite pixels ("
               + ", ".join(shown(key) for key in non_finite[:3]) + ", ..." * (len(non_finite) > 3)
               + "): each scaled by the range of its finite pixels, and those pixels set to 0")
     untrained = [name for label, name in enumerate(source["classes"]) if not train_counts[label]]
     if untrained:
-        print(f"warning: {len(untrained)} of {len(source['classes'])} classes have no image in "
+        say(f"warning: {len(untrained)} of {len(source['classes'])} classes have no image in "
               f"the train split, so the model cannot learn them: {', '.join(untrained[:5])}"
               + (", ..." if len(untrained) > 5 else "")
               + " -> give each some training images, or remove them", file=sys.stderr)
@@ -1405,7 +1413,7 @@ def print_skipped(skipped, named, images, passed_over):
         if names:
             parts.append(f"{heading}: {len(names):,} ({', '.join(examples)})")
     if parts:
-        print("note: skipped " + "; ".join(parts))
+        say("note: skipped " + "; ".join(parts))
 
 
 # ============================================================================== images: end

@@ -473,6 +473,21 @@ def corpus(tmp_path):
     return make_corpus(tmp_path)
 
 
+def test_preprocess_whose_stdout_reader_leaves_writes_its_data_all_the_same(corpus_dir, tmp_path):
+    """`preprocess.py ... | head -n 1`: the lines after the first meet a broken pipe."""
+    command = [sys.executable, "preprocess.py", "--input", str(corpus_dir), "--out",
+               str(tmp_path / "out"), "--vocab-size", "400"]
+    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    first = process.stdout.readline()
+    process.stdout.close()
+    stderr = process.communicate(timeout=300)[1]
+    assert first.startswith("training a 400-token") and process.returncode == 0, stderr
+    assert "error" not in stderr and "Broken" not in stderr, stderr
+    meta = json.loads((tmp_path / "out" / "meta.json").read_text())  # written last: complete
+    assert meta["splits"]["train"]["documents"] > 0
+
+
 def test_round_trip_decodes_every_row_to_its_document_and_meta_matches(tmp_path, corpus):
     inputs, documents = corpus
     out = tmp_path / "out"
