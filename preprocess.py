@@ -224,9 +224,9 @@ def with_progress(label, documents, stats, total_bytes):
             done_bytes, last_print = stats["input_bytes"], now
             speed = done_bytes / 1e6 / (now - start_time)
             say(f"{label}: {done_bytes / 1e6:.1f}/{total_bytes / 1e6:.1f} MB  "
-                  f"{100 * done_bytes / max(total_bytes, 1):.0f}%  {speed:.1f} MB/s  "
-                  f"ETA {max(total_bytes - done_bytes, 0) / 1e6 / max(speed, 1e-9):.0f} s",
-                  file=sys.stderr)
+                f"{100 * done_bytes / max(total_bytes, 1):.0f}%  {speed:.1f} MB/s  "
+                f"ETA {max(total_bytes - done_bytes, 0) / 1e6 / max(speed, 1e-9):.0f} s",
+                file=sys.stderr)
 
 
 # ---- 2. tokenizer --------------------------------------------------------------------------------
@@ -260,13 +260,13 @@ def load_tokenizer(path):
         tokenizer.no_truncation()
         tokenizer.no_padding()
         say(f"tokenizer {path} has {' and '.join(filter(None, enabled))} enabled: turned off, "
-              "so that every document keeps all its tokens and no pad token enters the stream")
+            "so that every document keeps all its tokens and no pad token enters the stream")
     missing = [role for role, names in SPECIAL_TOKEN_NAMES.items()
                if all(tokenizer.token_to_id(name) is None for name in names)]
     if missing:
         tokenizer.add_special_tokens([SPECIAL_TOKEN_NAMES[role][0] for role in missing])
         say(f"tokenizer has no {'/'.join(missing)} token: added "
-              f"{', '.join(SPECIAL_TOKEN_NAMES[role][0] for role in missing)} as special tokens")
+            f"{', '.join(SPECIAL_TOKEN_NAMES[role][0] for role in missing)} as special tokens")
     return tokenizer
 
 
@@ -571,7 +571,7 @@ def main():
             tokenizer = load_tokenizer(tokenizer_file)
         else:
             say(f"training a {vocab_size}-token byte-level BPE tokenizer on the train split "
-                  f"of {source}")
+                f"of {source}")
             # train split only: measure the validation loss on text the tokenizer has never seen
             stats = Counter()
             documents = with_progress("tokenizer training",
@@ -589,8 +589,8 @@ def main():
             if trained_size < vocab_size:
                 # BPE stops when no pair of tokens is left to merge in the corpus
                 say(f"note: the tokenizer has {trained_size:,} tokens, not the {vocab_size:,} "
-                      "asked for: every word of the train split is one token already "
-                      "(a larger vocabulary needs more text, or --tokenizer)")
+                    "asked for: every word of the train split is one token already "
+                    "(a larger vocabulary needs more text, or --tokenizer)")
         temp_dir.mkdir(parents=True)
         tokenizer.save(str(temp_dir / "tokenizer.json"))
         # a document that merely contains the text "<|endoftext|>" must not get a real separator id;
@@ -628,22 +628,22 @@ def main():
 
     splits, megabytes = result["splits"], result["text_bytes"] / 1e6
     say(f"{out}: {splits['train']['documents']} train / {splits['val']['documents']} val "
-          f"documents, {splits['train']['tokens'] + splits['val']['tokens']:,} tokens, "
-          f"{megabytes:.1f} MB in {seconds:.1f} s ({megabytes / max(seconds, 1e-9):.1f} MB/s); "
-          + (f"tokenizer from {tokenizer_file}" if tokenizer_file
-             else f"tokenizer training {train_seconds:.1f} s")
-          + (f"; invalid UTF-8 replaced by U+FFFD in {stats['replaced']} documents"
-             if stats["replaced"] else ""))
+        f"documents, {splits['train']['tokens'] + splits['val']['tokens']:,} tokens, "
+        f"{megabytes:.1f} MB in {seconds:.1f} s ({megabytes / max(seconds, 1e-9):.1f} MB/s); "
+        + (f"tokenizer from {tokenizer_file}" if tokenizer_file
+           else f"tokenizer training {train_seconds:.1f} s")
+        + (f"; invalid UTF-8 replaced by U+FFFD in {stats['replaced']} documents"
+           if stats["replaced"] else ""))
     val = splits["val"]
     if val["documents"] == 0:
         say(f"warning: the val split is empty (--val-fraction {val_fraction}): no text to "
-              "measure a validation loss on -> pass e.g. --val-fraction 0.02 to hold out 2% of the "
-              "documents", file=sys.stderr)
+            "measure a validation loss on -> pass e.g. --val-fraction 0.02 to hold out 2% of the "
+            "documents", file=sys.stderr)
     elif val["documents"] < TINY_VAL_DOCUMENTS or val["tokens"] < TINY_VAL_TOKENS:
         say(f"warning: the val split is tiny, {val['documents']} documents and {val['tokens']:,} "
-              f"tokens (fewer than {TINY_VAL_DOCUMENTS} documents or {TINY_VAL_TOKENS:,} tokens), "
-              f"so its loss says little -> raise --val-fraction (now {val_fraction}) or give more "
-              "text", file=sys.stderr)
+            f"tokens (fewer than {TINY_VAL_DOCUMENTS} documents or {TINY_VAL_TOKENS:,} tokens), "
+            f"so its loss says little -> raise --val-fraction (now {val_fraction}) or give more "
+            "text", file=sys.stderr)
 
 
 # ============================================================================== images: begin
@@ -769,14 +769,14 @@ def build_images(args):
     splits = result["splits"]
     images = splits["train"]["images"] + splits["val"]["images"]
     say(f"{shown(out)}: {splits['train']['images']:,} train / {splits['val']['images']:,} val "
-          f"images of {size}x{size}, {len(source['classes'])} classes, in {seconds:.1f} s "
-          f"({images / max(seconds, 1e-9):.0f} images/s, {workers} worker{'s' * (workers > 1)})")
+        f"images of {size}x{size}, {len(source['classes'])} classes, in {seconds:.1f} s "
+        f"({images / max(seconds, 1e-9):.0f} images/s, {workers} worker{'s' * (workers > 1)})")
     if splits["val"]["images"] == 0:
         say("warning: the val split is empty: no images to measure a validation accuracy on -> "
-              + ("add images to the source's val split" if source["split_given"]
-                 else f"raise --val-fraction (now {val_fraction})"
-                 + (", e.g. to 0.1" if val_fraction < 0.1 else ", or give it more images")),
-              file=sys.stderr)
+            + ("add images to the source's val split" if source["split_given"]
+               else f"raise --val-fraction (now {val_fraction})"
+               + (", e.g. to 0.1" if val_fraction < 0.1 else ", or give it more images")),
+            file=sys.stderr)
 
 
 # ---- images: the sources, each a dict whose items are (key, label, split or None, what to decode)
@@ -929,7 +929,7 @@ def note_similar_names(names, what):
                if folded[unicodedata.normalize("NFC", name).casefold()] > 1]
     if similar:
         say(f"note: {what} {', '.join(map(shown, similar))} differ only in case (or in how an "
-              "accent is encoded): they are distinct classes")
+            "accent is encoded): they are distinct classes")
 
 
 def class_folders(class_root):
@@ -1076,7 +1076,7 @@ def table_source(root, relpaths):
             classes, label_of = [str(i) for i in ids], {i: label for label, i in enumerate(ids)}
             if ids != list(range(len(ids))):
                 say(f"note: the labels in {root} have no names, and not all of 0 to {highest} "
-                      f"occur: the {len(ids)} that do are the classes, named by their ids")
+                    f"occur: the {len(ids)} that do are the classes, named by their ids")
         elif highest >= len(names):
             die(f"label {highest} in {root} has no name among the {len(names)} class names in "
                 "the files' metadata -> fix the names or the labels")
@@ -1097,7 +1097,7 @@ def table_source(root, relpaths):
             (["train files -> train"] if "train" in words else []) + [f"{val_word} files -> val"]
             + ([f"{len(unnamed)} with no split in the name ({', '.join(unnamed[:3])}) -> train"]
                if unnamed else []))
-              + ("; test files left out" if val_word == "val" and "test" in words else ""))
+            + ("; test files left out" if val_word == "val" and "test" in words else ""))
     identity = [[str(path.resolve()), path.stat().st_size, path.stat().st_mtime_ns]
                 for path, _, _ in used]
     suffixes = "/".join(sorted({path.suffix for path, _, _ in used}))
@@ -1348,8 +1348,8 @@ def write_image_shards(source, out_dir, size, val_fraction, workers, upsample=Fa
         if now - last_print >= PROGRESS_EVERY_S:
             last_print, speed = now, done / (now - start_time)
             say(f"decode: {done:,}/{source['total']:,} images  "
-                  f"{100 * done / source['total']:.0f}%  {speed:.0f} images/s  "
-                  f"ETA {(source['total'] - done) / speed:.0f} s", file=sys.stderr)
+                f"{100 * done / source['total']:.0f}%  {speed:.0f} images/s  "
+                f"ETA {(source['total'] - done) / speed:.0f} s", file=sys.stderr)
     for writer in writers.values():
         writer.close()
 
@@ -1376,18 +1376,18 @@ def write_image_shards(source, out_dir, size, val_fraction, workers, upsample=Fa
     if scaled.total():
         modes = ", ".join(f"{count:,} {mode}" for mode, count in sorted(scaled.items()))
         say(f"note: scaled {scaled.total():,} images of 16- or 32-bit modes ({modes}) to 8 bits, "
-              "each from its own minimum..maximum to 0..255; the exported pipeline would clip them "
-              "(Pillow's convert) -> pass it preprocess.to_rgb(Image.open(path)), not the path")
+            "each from its own minimum..maximum to 0..255; the exported pipeline would clip them "
+            "(Pillow's convert) -> pass it preprocess.to_rgb(Image.open(path)), not the path")
     if non_finite:
         say(f"note: {len(non_finite):,} images had NaN or infinite pixels ("
-              + ", ".join(shown(key) for key in non_finite[:3]) + ", ..." * (len(non_finite) > 3)
-              + "): each scaled by the range of its finite pixels, and those pixels set to 0")
+            + ", ".join(shown(key) for key in non_finite[:3]) + ", ..." * (len(non_finite) > 3)
+            + "): each scaled by the range of its finite pixels, and those pixels set to 0")
     untrained = [name for label, name in enumerate(source["classes"]) if not train_counts[label]]
     if untrained:
         say(f"warning: {len(untrained)} of {len(source['classes'])} classes have no image in "
-              f"the train split, so the model cannot learn them: {', '.join(untrained[:5])}"
-              + (", ..." if len(untrained) > 5 else "")
-              + " -> give each some training images, or remove them", file=sys.stderr)
+            f"the train split, so the model cannot learn them: {', '.join(untrained[:5])}"
+            + (", ..." if len(untrained) > 5 else "")
+            + " -> give each some training images, or remove them", file=sys.stderr)
     pixel_count = train_images * size * size
     mean = sums / (pixel_count * 255)
     std = np.sqrt(np.maximum(squares / (pixel_count * 255 ** 2) - mean ** 2, 0))
