@@ -204,10 +204,18 @@ def build_model(config, args):
             f"({type(error).__name__}: {reason}) -> use gpt2, llama, qwen2, ...")
 
 
+def say(*values, file=None):
+    """print, except that a reader who leaves early (`| head`) does not end the test."""
+    try:
+        print(*values, file=file, flush=True)
+    except BrokenPipeError:  # later lines go nowhere
+        os.dup2(os.open(os.devnull, os.O_WRONLY), (file or sys.stdout).fileno())
+
+
 def die(message, exit_code=2):
     """One clear line, printed once by rank 0; every rank exits, as all reach the same verdict."""
     if int(os.environ.get("RANK", 0)) == 0:
-        print(f"error: {message}", file=sys.stderr, flush=True)
+        say(f"error: {message}", file=sys.stderr)
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
@@ -257,10 +265,10 @@ def start_watchdog(timeout_s, rank):
             time.sleep(min(1.0, timeout_s / 4))
             stalled_s = time.monotonic() - PROGRESS["time"]
             if stalled_s > timeout_s:
-                print(f"error: rank {rank}: no collective finished for {stalled_s:.0f} s "
-                      f"(--timeout {timeout_s:g}) during {PROGRESS['doing']} -> a rank died or "
-                      "hangs, or the network is down; see the other ranks' lines",
-                      file=sys.stderr, flush=True)
+                say(f"error: rank {rank}: no collective finished for {stalled_s:.0f} s "
+                    f"(--timeout {timeout_s:g}) during {PROGRESS['doing']} -> a rank died or "
+                    "hangs, or the network is down; see the other ranks' lines",
+                    file=sys.stderr)
                 os._exit(1)
     threading.Thread(target=watch, daemon=True).start()
 
@@ -565,16 +573,15 @@ def print_header(args, device, world_size):
            "nccl": nccl, "devices": dict(Counter(hosts)), "dtype": args.dtype, "iters": args.iters,
            "warmup": args.warmup}
     if dist.get_rank() == 0:
-        print(f"# stress_test: {world_size} ranks, backend {run['backend']}, "
-              f"torch {torch.__version__}"
-              + (f", NCCL {nccl}" if nccl else "")
-              + f", {args.dtype}, {args.iters} timed iterations "
-              f"after {args.warmup} warm-up per row")
+        say(f"# stress_test: {world_size} ranks, backend {run['backend']}, "
+            f"torch {torch.__version__}"
+            + (f", NCCL {nccl}" if nccl else "")
+            + f", {args.dtype}, {args.iters} timed iterations "
+            f"after {args.warmup} warm-up per row")
         for host_device, ranks in run["devices"].items():
-            print(f"#   {ranks} x {host_device}")
-        print("#" + COLUMNS.format("size(B)", "count", "type", "op", "time(us)", "algbw(GB/s)",
-                                   "busbw(GB/s)", "#wrong", "p50(us)", "p95(us)", "p99(us)")[1:],
-              flush=True)
+            say(f"#   {ranks} x {host_device}")
+        say("#" + COLUMNS.format("size(B)", "count", "type", "op", "time(us)", "algbw(GB/s)",
+                                 "busbw(GB/s)", "#wrong", "p50(us)", "p95(us)", "p99(us)")[1:])
     return run
 
 
@@ -621,46 +628,46 @@ def main():
             if rank == 0:
                 speed = [f"{row[key]:.2f}" for key in ("time_us", "algbw", "busbw")]
                 percentiles = [f"{row[key]:.2f}" for key in ("p50_us", "p95_us", "p99_us")]
-                print(COLUMNS.format(size, row["count"], args.dtype, op, *speed, row["wrong"],
-                                     *percentiles), flush=True)
+                say(COLUMNS.format(size, row["count"], args.dtype, op, *speed, row["wrong"],
+                                   *percentiles))
     failures = [f"#wrong {row['wrong']} in {row['op']} at {row['size']} B"
                 for row in rows if row["wrong"]]
     if rank == 0:
         if skipped:
-            print(f"# skipped, less than one element per rank: {', '.join(skipped)}")
+            say(f"# skipped, less than one element per rank: {', '.join(skipped)}")
         for op in args.ops:
             best = max((row for row in rows if row["op"] == op), key=lambda row: row["busbw"],
                        default=None)
             if best:
-                print(f"# peak busbw {op}: {best['busbw']:.2f} GB/s at {best['size']} B")
+                say(f"# peak busbw {op}: {best['busbw']:.2f} GB/s at {best['size']} B")
 
     grad = None if args.skip_grad_check else check_gradients(args, device, rank, world_size)
     if grad and not grad["passed"]:
         failures.append("gradients or parameters differ across ranks")
     if grad and rank == 0:
-        print(f"grad check ({args.model_type}, {grad['parameters']:,} parameters, DDP, "
-              f"one AdamW step): max |grad diff| = {grad['max_grad_diff']:g} "
-              f"across {world_size} ranks ({grad['grad_elements_differing']} elements differ), "
-              f"max |param diff| = {grad['max_param_diff']:g} "
-              f"({grad['param_elements_differing']} differ), per-tensor checksums "
-              f"{'equal' if grad['checksums_equal'] else 'DIFFER'} on every rank: "
-              f"{'PASS' if grad['passed'] else 'FAIL'}")
+        say(f"grad check ({args.model_type}, {grad['parameters']:,} parameters, DDP, "
+            f"one AdamW step): max |grad diff| = {grad['max_grad_diff']:g} "
+            f"across {world_size} ranks ({grad['grad_elements_differing']} elements differ), "
+            f"max |param diff| = {grad['max_param_diff']:g} "
+            f"({grad['param_elements_differing']} differ), per-tensor checksums "
+            f"{'equal' if grad['checksums_equal'] else 'DIFFER'} on every rank: "
+            f"{'PASS' if grad['passed'] else 'FAIL'}")
 
     soak = run_soak(args, sizes, device, rank, world_size, modulus) if args.duration else None
     if soak and soak["wrong"]:
         failures.append(f"#wrong {soak['wrong']} in the soak")
     if soak and rank == 0:
-        print(f"soak: {soak['collectives']} collectives in {soak['seconds']:.1f} s, "
-              f"{soak['wrong']} wrong; arrival skew mean {soak['skew_mean_us']:.1f} us, "
-              f"p99 {soak['skew_p99_us']:.1f} us, max {soak['skew_max_us']:.1f} us; "
-              f"last to arrive most often: rank {soak['straggler_rank']} "
-              f"({soak['straggler_share']:.0%} of collectives)")
+        say(f"soak: {soak['collectives']} collectives in {soak['seconds']:.1f} s, "
+            f"{soak['wrong']} wrong; arrival skew mean {soak['skew_mean_us']:.1f} us, "
+            f"p99 {soak['skew_p99_us']:.1f} us, max {soak['skew_max_us']:.1f} us; "
+            f"last to arrive most often: rank {soak['straggler_rank']} "
+            f"({soak['straggler_share']:.0%} of collectives)")
 
     if rank == 0:
-        print(f"stress_test: FAIL ({'; '.join(failures)})" if failures else
-              f"stress_test: PASS (0 wrong elements in {len(rows)} rows"
-              + (f", grads identical across {world_size} ranks" if grad else "")
-              + (f", soak of {soak['seconds']:.0f} s clean" if soak else "") + ")", flush=True)
+        say(f"stress_test: FAIL ({'; '.join(failures)})" if failures else
+            f"stress_test: PASS (0 wrong elements in {len(rows)} rows"
+            + (f", grads identical across {world_size} ranks" if grad else "")
+            + (f", soak of {soak['seconds']:.0f} s clean" if soak else "") + ")")
         if args.json:  # written beside, then renamed: a crash midway leaves the previous file whole
             partial = f"{args.json}.tmp-{os.getpid()}"
             with open(partial, "w") as out:
@@ -676,7 +683,7 @@ if __name__ == "__main__":
     try:
         main()
     except dist.DistError as error:  # a peer vanished or timed out: one line, no C++ backtrace
-        print(f"error: rank {os.environ.get('RANK', 0)}: collective failed: "
-              f"{str(error).splitlines()[0]} -> a rank died or hangs, or the network is down; "
-              "see the other ranks' lines", file=sys.stderr)
+        say(f"error: rank {os.environ.get('RANK', 0)}: collective failed: "
+            f"{str(error).splitlines()[0]} -> a rank died or hangs, or the network is down; "
+            "see the other ranks' lines", file=sys.stderr)
         os._exit(1)

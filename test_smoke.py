@@ -4444,6 +4444,21 @@ def table_rows(output):
     return rows
 
 
+def test_stress_test_whose_stdout_reader_leaves_runs_to_its_verdict(tmp_path):
+    """`torchrun ... stress_test.py | head -n 1`: rank 0's later lines meet a broken pipe."""
+    command = torchrun_command(2, "stress_test.py", "--ops", "all_reduce_sum", "--sizes", "1K,4K",
+                               "--iters", "5", "--warmup", "1", "--json", str(tmp_path / "f.json"))
+    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": "",
+                                               "OMP_NUM_THREADS": "1"})
+    first = process.stdout.readline()
+    process.stdout.close()
+    stderr = process.communicate(timeout=180)[1]
+    assert first.startswith("# stress_test: 2 ranks") and process.returncode == 0, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    assert json.loads((tmp_path / "f.json").read_text())  # rank 0 wrote its figures at the end
+
+
 @pytest.fixture(scope="module")
 def default_run_with_soak(tmp_path_factory):
     """The default sweep and gradient check, then a soak of 2 s (--duration only adds the soak
