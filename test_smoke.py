@@ -123,6 +123,18 @@ def run(command, env_extra=None, timeout=300, cwd=REPO):
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
+def reader_leaves_after_one_line(command, timeout=300, env_extra=None):
+    """Run a command whose stdout's reader leaves after the first line, as `| head -n 1` does:
+    every later print meets a broken pipe. Returns (that line, exit code, stderr)."""
+    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, env={**os.environ, "OMP_NUM_THREADS": "1",
+                                               **(env_extra or {})})
+    first = process.stdout.readline()
+    process.stdout.close()
+    stderr = process.communicate(timeout=timeout)[1]
+    return first, process.returncode, stderr
+
+
 def with_timeout(script, args):
     """A hung collective fails (naming the lost ranks) before the test's timeout; a test's own
     dist.timeout_s comes later and wins."""
@@ -477,12 +489,8 @@ def test_preprocess_whose_stdout_reader_leaves_writes_its_data_all_the_same(corp
     """`preprocess.py ... | head -n 1`: the lines after the first meet a broken pipe."""
     command = [sys.executable, "preprocess.py", "--input", str(corpus_dir), "--out",
                str(tmp_path / "out"), "--vocab-size", "400"]
-    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True)
-    first = process.stdout.readline()
-    process.stdout.close()
-    stderr = process.communicate(timeout=300)[1]
-    assert first.startswith("training a 400-token") and process.returncode == 0, stderr
+    first, code, stderr = reader_leaves_after_one_line(command)
+    assert first.startswith("training a 400-token") and code == 0, stderr
     assert "error" not in stderr and "Broken" not in stderr, stderr
     meta = json.loads((tmp_path / "out" / "meta.json").read_text())  # written last: complete
     assert meta["splits"]["train"]["documents"] > 0
@@ -3196,12 +3204,8 @@ def test_a_run_whose_stdout_reader_leaves_trains_on_to_its_end(data_dir, tmp_pat
                "train.global_batch_size=8", "train.micro_batch_size=4", "train.max_steps=6",
                "log.every=1", "train.eval_every=3", "checkpoint.every=0", "export=true",
                f"out_dir={tmp_path}", f"checkpoint.dir={tmp_path}/ckpt"]
-    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    first = process.stdout.readline()
-    process.stdout.close()  # as `head -n 1` does: every later print meets a broken pipe
-    stderr = process.communicate(timeout=300)[1]
-    assert first and process.returncode == 0, stderr[-3000:]
+    first, code, stderr = reader_leaves_after_one_line(command)
+    assert first and code == 0, stderr[-3000:]
     assert "Traceback" not in stderr and "BrokenPipeError" not in stderr, stderr[-3000:]
     assert [record["step"] for record in read_metrics(tmp_path, "train")] == [1, 2, 3, 4, 5, 6]
     assert (tmp_path / "final" / "config.json").is_file()  # exported after the pipe broke
@@ -4448,13 +4452,9 @@ def test_stress_test_whose_stdout_reader_leaves_runs_to_its_verdict(tmp_path):
     """`torchrun ... stress_test.py | head -n 1`: rank 0's later lines meet a broken pipe."""
     command = torchrun_command(2, "stress_test.py", "--ops", "all_reduce_sum", "--sizes", "1K,4K",
                                "--iters", "5", "--warmup", "1", "--json", str(tmp_path / "f.json"))
-    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": "",
-                                               "OMP_NUM_THREADS": "1"})
-    first = process.stdout.readline()
-    process.stdout.close()
-    stderr = process.communicate(timeout=180)[1]
-    assert first.startswith("# stress_test: 2 ranks") and process.returncode == 0, stderr[-3000:]
+    first, code, stderr = reader_leaves_after_one_line(command, timeout=180,
+                                                       env_extra={"CUDA_VISIBLE_DEVICES": ""})
+    assert first.startswith("# stress_test: 2 ranks") and code == 0, stderr[-3000:]
     assert "Traceback" not in stderr, stderr[-3000:]
     assert json.loads((tmp_path / "f.json").read_text())  # rank 0 wrote its figures at the end
 
