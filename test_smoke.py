@@ -5235,6 +5235,25 @@ def test_bench_reads_the_trainer_against_nanogpt_at_the_same_micro_batch_from_ea
     assert "residual" in bench.SAME_MICRO_STAGES
 
 
+def test_bench_reads_shape_b_mfu_from_a_stage_that_ran_the_trainer_alone_at_micro_batches_of_32():
+    """Every MFU_STAGES stage runs the trainer at micro-batches of 32 on shape B; without nanoGPT
+    beside it, the MFU row stands alone (no baseline) and no same-micro ratio is made up."""
+    bench = load_bench()
+    for stage in bench.MFU_STAGES:
+        assert bench.STAGES[f"{stage}_shapeB_1gpu"]["batch"]["micro_batch_size"] == 32, stage
+        assert "ours" in bench.STAGES[f"{stage}_shapeB_1gpu"]["sides"], stage
+    records = [{"date": "2026-12-01", "machine": "1 × GPU", "tiny": False, "gpus": 1,
+                "stage": "optimizer_shapeB_1gpu", "side": side, "command": side,
+                "tokens_per_sec": tps, "mfu": mfu}
+               for side, tps, mfu in [("ours", 104.0, 0.484),
+                                      ("variant:compiled_optimizer", 105.0, 0.489)]]
+    rows = {row["metric"]: row for row in bench.figures(records)}
+    assert "shapeB_1gpu_vs_nanogpt_same_micro_tokens_per_sec" not in rows
+    mfu = rows["shapeB_1gpu_mfu"]
+    assert (mfu["value"], mfu["command"], mfu["baseline"], mfu["ratio"]) == (0.484, "ours", None,
+                                                                             None)
+
+
 def test_bench_compares_the_inline_reducer_with_ddp_and_derives_ddps_exposed_communication():
     """DDP's own all-reduce is not timed: its exposed communication is its step time minus that of a
     run that all-reduces nothing (variant:no_comm), 65,536 tokens per step."""

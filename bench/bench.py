@@ -1988,6 +1988,8 @@ def losses(side, baseline):
 
 # stages that pair the trainer with nanoGPT, both with micro-batches of 32, the first found used
 SAME_MICRO_STAGES = ["same_micro", "step_end", "host_levers", "graphs2", "inductor", "residual"]
+# and every stage that ran the trainer at micro-batches of 32 on shape B: its MFU, nanoGPT or not
+MFU_STAGES = [*SAME_MICRO_STAGES, "tuned", "optimizer", "optimizer_tuned"]
 
 
 def figures(stage_records):
@@ -2050,11 +2052,14 @@ def figures(stage_records):
                 nanogpt_label(ours) + ", micro-batches of 32", theirs.get("tokens_per_sec"),
                 ours.get("command"), theirs.get("command"), ours,
                 note=f"max/min over the window ours {ours.get('tokens_per_sec_max_over_min')}")
+        if shape == "B" and not ours:
+            ours = next((by_stage[f"{stage}_shapeB_1gpu"]["ours"] for stage in MFU_STAGES
+                         if "ours" in by_stage.get(f"{stage}_shapeB_1gpu", {})), None)
         if ours and shape == "B":
             row("shapeB_1gpu_mfu", ours.get("mfu"),
                 "fraction of peak dense bf16 FLOP/s (train_ddp.py's table), micro-batches of 32",
-                nanogpt_label(ours) + ", MFU by our formula", theirs.get("mfu_by_our_formula"),
-                ours.get("command"), theirs.get("command"), ours)
+                nanogpt_label(ours) + ", MFU by our formula" if theirs else None,
+                theirs.get("mfu_by_our_formula"), ours.get("command"), theirs.get("command"), ours)
     sides = by_stage.get("micro64_shapeA_1gpu", {})
     ours, theirs = sides.get("ours"), sides.get("nanogpt") or {}
     if ours:
