@@ -5252,6 +5252,11 @@ def test_bench_reads_shape_b_mfu_from_a_stage_that_ran_the_trainer_alone_at_micr
     mfu = rows["shapeB_1gpu_mfu"]
     assert (mfu["value"], mfu["command"], mfu["baseline"], mfu["ratio"]) == (0.484, "ours", None,
                                                                              None)
+    # nanoGPT from another call, whose trainer side did not run, is no baseline for this one
+    theirs = {**records[0], "stage": "residual_shapeB_1gpu", "side": "nanogpt", "command": "nano",
+              "mfu_by_our_formula": 0.44}
+    mfu = {row["metric"]: row for row in bench.figures([theirs, *records])}["shapeB_1gpu_mfu"]
+    assert (mfu["value"], mfu["baseline"], mfu["baseline_command"]) == (0.484, None, None)
 
 
 def test_bench_compares_the_inline_reducer_with_ddp_and_derives_ddps_exposed_communication():

@@ -2052,9 +2052,10 @@ def figures(stage_records):
                 nanogpt_label(ours) + ", micro-batches of 32", theirs.get("tokens_per_sec"),
                 ours.get("command"), theirs.get("command"), ours,
                 note=f"max/min over the window ours {ours.get('tokens_per_sec_max_over_min')}")
-        if shape == "B" and not ours:
-            ours = next((by_stage[f"{stage}_shapeB_1gpu"]["ours"] for stage in MFU_STAGES
-                         if "ours" in by_stage.get(f"{stage}_shapeB_1gpu", {})), None)
+        if shape == "B" and not ours:  # nanoGPT's MFU beside it only from the same call
+            sides = next((by_stage[f"{stage}_shapeB_1gpu"] for stage in MFU_STAGES
+                          if "ours" in by_stage.get(f"{stage}_shapeB_1gpu", {})), {})
+            ours, theirs = sides.get("ours"), sides.get("nanogpt") or {}
         if ours and shape == "B":
             row("shapeB_1gpu_mfu", ours.get("mfu"),
                 "fraction of peak dense bf16 FLOP/s (train_ddp.py's table), micro-batches of 32",
