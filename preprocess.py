@@ -469,31 +469,64 @@ def fingerprint(sources, options):
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
+def output_dir(given):
+    """--out as the folder to write: a link's target (a rebuild renames folders, never the link),
+    and . or .. by their real names."""
+    out = Path(given)
+    if out.is_symlink() or out.name in ("", ".", ".."):
+        out = Path(os.path.realpath(out))
+    if out.is_symlink():  # realpath leaves a loop as it is
+        die(f"--out {given} is a link that leads back to itself -> pass the path of a folder")
+    return out
+
+
 def is_up_to_date(out, input_fingerprint, force):
-    """True if out holds this very data; dies if it holds other data and --force was not given."""
-    if (out / "meta.json").exists():
-        try:
-            old_fingerprint = json.loads((out / "meta.json").read_text()).get("fingerprint")
-        except (ValueError, OSError, AttributeError):
-            old_fingerprint = None
-        if old_fingerprint == input_fingerprint and not force:
-            return True
-        if not force:
-            die(f"{out} holds data built from other inputs or options "
-                "-> pass --force to rebuild, or another --out")
-    elif out.exists() and (not out.is_dir() or any(out.iterdir())):
-        # never delete what we did not write, --force or not (think --out ~)
-        die(f"{out} exists and is not preprocess.py output (no meta.json) -> choose another --out")
+    """True if out holds this very data, complete; dies if it holds other data and --force was not
+    given, or anything preprocess.py did not write: a rebuild replaces out whole."""
+    if not (out / "meta.json").exists():
+        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+            # never delete what we did not write, --force or not (think --out ~)
+            die(f"{out} exists and is not preprocess.py output (no meta.json) -> choose another "
+                "--out")
+        return False
+    try:
+        meta = json.loads((out / "meta.json").read_text())
+        written = {meta["tokenizer_file"]} if "tokenizer_file" in meta else set()
+        written |= {meta.get("token_frequencies_file", "meta.json"), "meta.json",
+                    *(name for split in meta["splits"].values() for name in split["files"])}
+    except (ValueError, OSError, AttributeError, KeyError, TypeError):
+        meta, written = {}, {"meta.json"}
+    missing = [name for name in sorted(written)
+               if not (out / name).is_file() or (out / name).stat().st_size == 0]
+    if meta.get("fingerprint") == input_fingerprint and not force and not missing:
+        return True
+    foreign = sorted(set(os.listdir(out)) - written)
+    if foreign:
+        die(f"{out} holds {', '.join(map(repr, foreign[:3]))}{' ...' * (len(foreign) > 3)}, which "
+            "preprocess.py did not write, and a rebuild would delete them -> move them out of "
+            f"{out}, or choose another --out")
+    if meta.get("fingerprint") != input_fingerprint and not force:
+        die(f"{out} holds data built from other inputs or options "
+            "-> pass --force to rebuild, or another --out")
+    if missing and not force:
+        say(f"note: {out} lacks {missing[0]} (or has it empty): rebuilding it")
     return False
 
 
 def remove_leftovers(out):
-    """Delete the <out>.tmp-<pid> (or .old-<pid>) a killed run left behind, if that process is gone
-    or is this one (pids get reused, the low ones in every new container)."""
-    for leftover in [*out.parent.glob(f"{out.name}.tmp-*"), *out.parent.glob(f"{out.name}.old-*")]:
+    """Delete the <out>.tmp-preprocess-<pid> (or .old-) a killed run left behind, if that process
+    is gone or is this one (pids get reused, the low ones in every new container)."""
+    for leftover in [*out.parent.glob(f"{out.name}.tmp-preprocess-*"),
+                     *out.parent.glob(f"{out.name}.old-preprocess-*")]:
         pid = leftover.name.rpartition("-")[2]
         if pid.isdigit() and (int(pid) == os.getpid() or not is_alive(int(pid))):
             shutil.rmtree(leftover, ignore_errors=True)
+
+
+def cannot_build(error, out):
+    what = error.strerror or str(error) or type(error).__name__  # shutil's errors have no strerror
+    return (f"{what}{f': {error.filename}' if error.filename else ''} -> check that the inputs are "
+            f"readable and that {out.parent} is a writable directory with room to spare")
 
 
 def is_alive(pid):
@@ -510,7 +543,7 @@ def move_into_place(new_dir, out):
     """Renames, never copies: out is at every moment absent, the complete old data, or the complete
     new data."""
     if out.exists():
-        old_dir = out.with_name(f"{out.name}.old-{os.getpid()}")
+        old_dir = out.with_name(f"{out.name}.old-preprocess-{os.getpid()}")
         out.rename(old_dir)
         new_dir.rename(out)
         shutil.rmtree(old_dir)
@@ -523,7 +556,7 @@ def main():
     if args.images is not None:  # images
         return build_images(args)  # images
     data_config = read_data_config(args.config)
-    out = Path(args.out or data_config["dir"])
+    out = output_dir(args.out or data_config["dir"])
     vocab_size = args.vocab_size if args.vocab_size is not None else data_config["vocab_size"]
     val_fraction = (args.val_fraction if args.val_fraction is not None
                     else data_config["val_fraction"])
@@ -563,7 +596,7 @@ def main():
         return
 
     remove_leftovers(out)
-    temp_dir = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+    temp_dir = out.with_name(f"{out.name}.tmp-preprocess-{os.getpid()}")
     total_input_bytes = sum(path.stat().st_size for _, path in sources)
     try:
         train_seconds, start_time = 0.0, time.perf_counter()
@@ -621,8 +654,7 @@ def main():
         (temp_dir / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
         move_into_place(temp_dir, out)
     except OSError as error:  # an unreadable input, --out below a file, a full disk: keep nothing
-        die(f"{error.strerror}: {error.filename} -> check that the inputs are readable and that "
-            f"{out.parent} is a writable directory with room to spare")
+        die(cannot_build(error, out))
     finally:
         shutil.rmtree(temp_dir, ignore_errors=True)  # after a failure; after success it is gone
 
@@ -637,8 +669,9 @@ def main():
     val = splits["val"]
     if val["documents"] == 0:
         say(f"warning: the val split is empty (--val-fraction {val_fraction}): no text to "
-            "measure a validation loss on -> pass e.g. --val-fraction 0.02 to hold out 2% of the "
-            "documents", file=sys.stderr)
+            "measure a validation loss on -> "
+            + ("pass e.g. --val-fraction 0.02 to hold out 2% of the documents" if not val_fraction
+               else "give more documents, or raise --val-fraction"), file=sys.stderr)
     elif val["documents"] < TINY_VAL_DOCUMENTS or val["tokens"] < TINY_VAL_TOKENS:
         say(f"warning: the val split is tiny, {val['documents']} documents and {val['tokens']:,} "
             f"tokens (fewer than {TINY_VAL_DOCUMENTS} documents or {TINY_VAL_TOKENS:,} tokens), "
@@ -726,7 +759,7 @@ def build_images(args):
         if Path.cwd().resolve().is_relative_to(given):  # from inside the images: beside them
             suggestion = Path(os.path.relpath(given.parent / suggestion))
         die(f"--images {args.images} needs --out -> pass e.g. --out {suggestion}")
-    out = Path(args.out or DIGITS_DEFAULTS["out"])
+    out = output_dir(args.out or DIGITS_DEFAULTS["out"])
     if not digits and out.resolve().is_relative_to(Path(args.images).resolve()):
         die(f"--out {out} lies inside --images {args.images}, where a rerun would read it as "
             "images -> pass an --out outside it")
@@ -746,7 +779,7 @@ def build_images(args):
         return
 
     remove_leftovers(out)
-    temp_dir = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+    temp_dir = out.with_name(f"{out.name}.tmp-preprocess-{os.getpid()}")
     try:
         start_time = time.perf_counter()
         temp_dir.mkdir(parents=True)
@@ -761,8 +794,7 @@ def build_images(args):
         (temp_dir / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
         move_into_place(temp_dir, out)
     except OSError as error:  # --out below a file, a full disk: keep nothing
-        die(f"{error.strerror}: {error.filename} -> check that the inputs are readable and that "
-            f"{out.parent} is a writable directory with room to spare")
+        die(cannot_build(error, out))
     finally:
         shutil.rmtree(temp_dir, ignore_errors=True)  # after a failure; after success it is gone
 

@@ -336,7 +336,7 @@ def kill_preprocess_midway(args, out, marker):
     """SIGKILL preprocess.py once its temporary directory holds `marker`: what it leaves must be
     nothing of out, or (if it finished first) all of it."""
     process = subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    temp_dir = out.with_name(f"{out.name}.tmp-{process.pid}")
+    temp_dir = out.with_name(f"{out.name}.tmp-preprocess-{process.pid}")
     while process.poll() is None and not (temp_dir / marker).exists():
         time.sleep(0.005)
     process.kill()
@@ -751,6 +751,47 @@ def test_rerun_is_noop_changed_inputs_need_force(tmp_path, corpus):
     assert meta_after["fingerprint"] != meta_before["fingerprint"]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["texts", "lines.jsonl",
                                                                  "table.parquet", "out"])
+
+
+def test_a_rebuild_writes_through_a_link_and_never_deletes_what_preprocess_did_not_write(
+        tmp_path, corpus, monkeypatch):
+    inputs, _ = corpus
+    args = ["--input", inputs[0], "--vocab-size", 300]
+    # --out a link to a folder elsewhere (data -> /scratch): the data goes there, the link stays
+    (tmp_path / "scratch").mkdir()
+    (tmp_path / "linked").symlink_to(tmp_path / "scratch")
+    linked = preprocess_in_process(*args, "--out", tmp_path / "linked")
+    assert linked.returncode == 0, linked.stderr
+    assert (tmp_path / "linked").is_symlink() and (tmp_path / "scratch" / "meta.json").is_file()
+    # a folder of ours plus a file of the user's: --force refuses, and both stay as they were
+    out = tmp_path / "out"
+    assert preprocess_in_process(*args, "--out", out).returncode == 0
+    (out / "NOTES.md").write_text("mine")
+    before = file_state(out)
+    forced = preprocess_in_process(*args, "--out", out, "--force")
+    assert forced.returncode == 2 and "'NOTES.md'" in forced.stderr \
+        and "did not write" in forced.stderr and file_state(out) == before
+    # a meta.json alone does not make a folder ours
+    (tmp_path / "proj").mkdir()
+    (tmp_path / "proj" / "meta.json").write_text("{}")
+    (tmp_path / "proj" / "notes.txt").write_text("mine")
+    assert preprocess_in_process(*args, "--out", tmp_path / "proj", "--force").returncode == 2
+    assert (tmp_path / "proj" / "notes.txt").read_text() == "mine"
+    # a lost shard is rebuilt, not reported up to date; a user's out.old-2024 is not a leftover
+    (out / "NOTES.md").unlink()
+    (out / "train-00000.arrow").unlink()
+    (tmp_path / "out.old-2024").mkdir()
+    rebuilt = preprocess_in_process(*args, "--out", out)
+    assert rebuilt.returncode == 0 and "lacks train-00000.arrow" in rebuilt.stdout, rebuilt.stderr
+    assert (out / "train-00000.arrow").is_file() and (tmp_path / "out.old-2024").is_dir()
+    # --out . from an empty folder, and a link loop: a result or one line, never a traceback
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    assert preprocess_in_process(*args, "--out", ".").returncode == 0
+    assert (tmp_path / "here" / "meta.json").is_file()
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    loop = preprocess_in_process(*args, "--out", tmp_path / "loop")
+    assert loop.returncode == 2 and "leads back to itself" in loop.stderr
 
 
 def test_killed_run_leaves_no_partial_output_and_the_next_run_removes_its_leftovers(tmp_path):
