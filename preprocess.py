@@ -19,6 +19,7 @@ There a row is one image, column `pixels` (S*S*3 bytes: rows, columns, RGB) and 
 meta.json adds the class names and the train split's mean and std per channel.
 """
 import argparse
+import codecs
 import hashlib
 import itertools
 import json
@@ -52,6 +53,9 @@ SPECIAL_TOKEN_NAMES = {
     "sep": ["<|sep|>", "</s>", "[SEP]"],
 }
 COLUMNAR_SUFFIXES = (".parquet", ".arrow")
+JSON_LINES_SUFFIXES = (".jsonl", ".json")  # datasets' to_json() writes JSON Lines as .json
+MAX_VOCAB_SIZE = 2**24
+LONG_RUN = 10_000  # characters without a space: BPE training cuts such a word there
 # per encode batch: bounds memory whatever the corpus size
 CHUNK_DOCUMENTS, CHUNK_BYTES = 10_000, 4_000_000
 PROGRESS_EVERY_S = 2.0
@@ -89,24 +93,55 @@ def stdlib_sources():
 
 def list_sources(paths, extensions):
     """(root, file) pairs: a file as given; a directory scanned for the extensions, sorted by
-    relative path."""
-    sources = []
+    relative path. A file given twice, or reached twice, is read once."""
+    sources, seen, repeated = [], set(), 0
     for given in map(Path, paths):
         if given.is_file():
-            sources.append((given.parent, given))
+            found = [given]
         elif given.is_dir():
-            # hidden parts (.git, editor backups) are tooling, not corpus
-            found = [p for p in given.rglob("*")
-                     if p.suffix.lower() in extensions and p.is_file()
-                     and not any(part.startswith(".") for part in p.relative_to(given).parts)]
-            if not found:
-                die(f"no {','.join(extensions)} files in {given} "
-                    "-> pass --ext with the extensions your files have")
-            sources += [(given, p)
-                        for p in sorted(found, key=lambda p: p.relative_to(given).as_posix())]
+            found = files_in(given, extensions)
+        elif given.exists():  # a pipe, /dev/stdin: the inputs are read twice (tokenizer, shards)
+            die(f"input {given} is not a file or a folder -> write it to a file first")
         else:
             die(f"input {given} does not exist -> check the path")
+        for path in found:
+            repeated += path.resolve() in seen
+            if path.resolve() not in seen:
+                sources.append((given if given.is_dir() else given.parent, path))
+                seen.add(path.resolve())
+    if repeated:
+        say(f"note: {repeated} input files were given twice (or reached by two paths): each is "
+            "read once")
     return sources
+
+
+def files_in(given, extensions):
+    """given's files with the extensions, by relative path. Links are followed, each folder once
+    (a loop or a second name cannot repeat files); hidden ones (.git, editor backups) are tooling,
+    not corpus: left out, with a note."""
+    def unreadable(error):
+        die(f"cannot read {error.filename}: {error.strerror} -> make it readable, or move it "
+            f"out of {given}")
+
+    found, seen, hidden, broken = [], {os.path.realpath(given)}, [], []
+    for directory, folders, names in os.walk(given, onerror=unreadable, followlinks=True):
+        hidden += [Path(directory, name) for name in folders + names if name.startswith(".")]
+        real = [(name, os.path.realpath(os.path.join(directory, name))) for name in folders
+                if not name.startswith(".")]
+        folders[:] = [name for name, target in real if target not in seen]
+        seen.update(target for _, target in real)
+        for path in (Path(directory, name) for name in names if not name.startswith(".")):
+            if path.suffix.lower() in extensions:
+                (found if path.is_file() else broken).append(path)
+    left_out = [f"{len(paths)} {what}" for paths, what in [
+        (hidden, "hidden (.git, editor backups)"), (broken, "broken links")] if paths]
+    if left_out:
+        say(f"note: left out of {given}: {', '.join(left_out)}, e.g. "
+            f"{', '.join(str(p.relative_to(given)) for p in (broken + hidden)[:3])}")
+    if not found:
+        die(f"no {','.join(extensions)} files in {given} "
+            "-> pass --ext with the extensions your files have")
+    return sorted(found, key=lambda p: p.relative_to(given).as_posix())
 
 
 def iter_documents(sources, field, column, stats):
@@ -115,15 +150,16 @@ def iter_documents(sources, field, column, stats):
     train/val split, so it must not depend on where the corpus lies."""
     for root, path in sources:
         relpath = path.relative_to(root).as_posix()
-        if path.suffix.lower() == ".jsonl":
+        if path.suffix.lower() in JSON_LINES_SUFFIXES:
             yield from jsonl_documents(path, relpath, field, stats)
         elif path.suffix.lower() in COLUMNAR_SUFFIXES:
             yield from columnar_documents(path, relpath, column, stats)
         else:
             raw = path.read_bytes()
             stats["input_bytes"] += len(raw)
-            try:
-                text = raw.decode("utf-8")
+            try:  # a byte order mark says the encoding (Notepad's "Unicode" is UTF-16); no text
+                utf16 = raw.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE))
+                text = raw.decode("utf-16" if utf16 else "utf-8-sig")
             except UnicodeDecodeError:
                 # a few stdlib files are latin-1 on purpose (tests of source encodings)
                 text = raw.decode("utf-8", errors="replace")
@@ -138,6 +174,11 @@ def jsonl_documents(path, relpath, field, stats):
             stats["input_bytes"] += len(line)
             if not line.strip():
                 continue
+            try:
+                line = line.decode()
+            except UnicodeDecodeError:  # as in text files
+                line = line.decode(errors="replace")
+                stats["replaced"] += 1
             try:
                 text = json.loads(line)[field]
             except (ValueError, KeyError, TypeError):
@@ -175,22 +216,30 @@ def columnar_documents(path, relpath, column, stats):
             schema, total_rows = table.schema, table.num_rows
     except (pa.ArrowException, OSError) as error:
         die(f"cannot read {path}: {error} -> check that it is a valid Parquet or Arrow file")
-    column_type = schema.field(column).type if column in schema.names else pa.null()
-    if not (pa.types.is_string(column_type) or pa.types.is_large_string(column_type)):
-        die(f"{path} has no text column {column!r} (it has {', '.join(schema.names)}) "
+    if column not in schema.names:
+        die(f"{path} has no column {column!r} (it has {', '.join(schema.names)}) "
             "-> pass --column NAME")
+    column_type = schema.field(column).type
+    if pa.types.is_dictionary(column_type):  # pandas' category: each row reads as its text
+        column_type = column_type.value_type
+    if str(column_type) not in ("string", "large_string", "string_view"):
+        die(f"{path}'s column {column!r} holds {column_type}, not text -> pass --column NAME")
     # record batches: a parquet file larger than memory is fine (an .arrow file is memory-mapped)
     if path.suffix.lower() == ".parquet":
         batches = parquet.iter_batches(batch_size=1024, columns=[column])
     else:
         batches = table.select([column]).to_batches(max_chunksize=1024)
     file_bytes, row_index = path.stat().st_size, 0
-    for batch in batches:
-        stats["input_bytes"] += file_bytes * batch.num_rows / max(total_rows, 1)
-        for text in batch.column(0).to_pylist():
-            if text:
-                yield f"{relpath}:{row_index}", text, len(text.encode())
-            row_index += 1
+    try:
+        for batch in batches:
+            stats["input_bytes"] += file_bytes * batch.num_rows / max(total_rows, 1)
+            for text in batch.column(0).to_pylist():
+                if text:
+                    yield f"{relpath}:{row_index}", text, len(text.encode())
+                row_index += 1
+    except (pa.ArrowException, OSError, UnicodeDecodeError) as error:  # a damaged page, bad UTF-8
+        die(f"cannot read {path} after row {row_index}: {str(error).splitlines()[0]} -> check "
+            "that it is a valid Parquet or Arrow file")
 
 
 def chunks(documents):
@@ -240,9 +289,17 @@ def train_tokenizer(documents, vocab_size, length):
         vocab_size=vocab_size, show_progress=False,
         special_tokens=[names[0] for names in SPECIAL_TOKEN_NAMES.values()],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    text_batches = ([text for _, text, _ in chunk] for chunk in chunks(documents))
+    text_batches = ([cut_long_runs(text) for _, text, _ in chunk] for chunk in chunks(documents))
     tokenizer.train_from_iterator(text_batches, trainer=trainer, length=length)
     return tokenizer
+
+
+def cut_long_runs(text):
+    """Long words cut for training alone (encoding takes them whole): BPE training's time grows
+    faster than the square of a word's length (base64, DNA: 200k letters 13 s, 2 MB over 5 min)."""
+    if max(map(len, text.split()), default=0) < LONG_RUN:  # faster than the regex on most texts
+        return text
+    return re.sub(rf"\S{{{LONG_RUN}}}", r"\g<0>\n", text)
 
 
 def load_tokenizer(path):
@@ -392,6 +449,11 @@ def parse_args():
     # one line, not the usage text
     parser.error = lambda message: die(f"{message} -> see: preprocess.py --help")
     args = parser.parse_args()
+    for name in ["input", "out", "config", "tokenizer", "ext", "field", "column"]:
+        value = getattr(args, name)
+        if "" in (value if isinstance(value, list) else [value]):
+            die(f'--{name} "" is an empty value (an unset shell variable?) -> give one, or leave '
+                f"--{name} out")
     check_image_options(parser, args)  # images
     return args
 
@@ -570,6 +632,8 @@ def main():
     if not args.tokenizer and vocab_size < 256 + len(SPECIAL_TOKEN_NAMES):
         die(f"vocab size {vocab_size} is too small: byte-level BPE needs 256 byte tokens "
             f"+ 5 special tokens -> pass --vocab-size {256 + len(SPECIAL_TOKEN_NAMES)} or more")
+    if not args.tokenizer and vocab_size > MAX_VOCAB_SIZE:  # the BPE trainer allocates by it
+        die(f"vocab size {vocab_size} is above {MAX_VOCAB_SIZE:,} -> pass a smaller --vocab-size")
     if args.input:
         sources = list_sources(args.input, extensions)
         source = f"{', '.join(args.input)}: {len(sources)} files"
@@ -612,7 +676,7 @@ def main():
                                       stats, total_input_bytes)
             train_documents = (document for document in documents
                                if not is_val(document[0], val_fraction))
-            all_text_files = all(p.suffix.lower() not in (".jsonl", *COLUMNAR_SUFFIXES)
+            all_text_files = all(p.suffix.lower() not in (*JSON_LINES_SUFFIXES, *COLUMNAR_SUFFIXES)
                                  for _, p in sources)
             tokenizer = train_tokenizer(train_documents, vocab_size,
                                         len(sources) if all_text_files else None)
@@ -1167,9 +1231,13 @@ def class_names(schema, label_column):
 
 
 def read_column(path, name):
-    if path.suffix.lower() == ".parquet":
-        return pq.read_table(path, columns=[name]).column(0).combine_chunks()
-    return open_arrow_table(path).column(name).combine_chunks()
+    try:
+        if path.suffix.lower() == ".parquet":
+            return pq.read_table(path, columns=[name]).column(0).combine_chunks()
+        return open_arrow_table(path).column(name).combine_chunks()
+    except (pa.ArrowException, OSError) as error:  # a damaged page
+        die(f"cannot read {shown(path)}: {str(error).splitlines()[0]} -> check that it is a valid "
+            "Parquet or Arrow file")
 
 
 def table_items(used, image_column, label_column, label_of):
@@ -1181,11 +1249,17 @@ def table_items(used, image_column, label_column, label_of):
         else:
             batches = open_arrow_table(path).select([image_column, label_column]).to_batches(256)
         row_index = 0
-        for batch in batches:
-            for image, label in zip(batch.column(0).to_pylist(), batch.column(1).to_pylist()):
-                data = image.get("bytes") if isinstance(image, dict) else image
-                yield f"{relpath}:{row_index}", label_of[label], split, data
-                row_index += 1
+        try:
+            for batch in batches:
+                for image, label in zip(batch.column(0).to_pylist(), batch.column(1).to_pylist()):
+                    data = image.get("bytes") if isinstance(image, dict) else image
+                    if data is None and isinstance(image, dict) and image.get("path"):
+                        data = str(path.parent / image["path"])  # not embedded: the file it names
+                    yield f"{relpath}:{row_index}", label_of[label], split, data
+                    row_index += 1
+        except (pa.ArrowException, OSError) as error:  # a damaged page
+            die(f"cannot read {shown(path)} after row {row_index}: {str(error).splitlines()[0]} "
+                "-> check that it is a valid Parquet or Arrow file")
 
 
 def digits_source():
@@ -1223,7 +1297,9 @@ def decode_image(task):
     whether it has NaN or infinite pixels) of one image, as the trainer reads them: RGB, the shorter
     side resized to size (bicubic), the centre size x size; or the reason it does not decode."""
     import io
+    import warnings
     from PIL import Image
+    warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # large, and resized anyway
     data, size = task
     if data is None:
         return "no image data"
@@ -1239,6 +1315,8 @@ def decode_image(task):
             rgb = to_rgb(image)
     except Image.UnidentifiedImageError:
         return "not an image Pillow reads"
+    except Image.DecompressionBombError:
+        return f"more than {2 * Image.MAX_IMAGE_PIXELS:,} pixels, Pillow's limit (against bombs)"
     except Exception as error:  # Pillow raises many kinds for a bad file
         return f"{type(error).__name__}: {error}"
     width, height = rgb.size

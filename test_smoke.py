@@ -807,6 +807,53 @@ def test_killed_run_leaves_no_partial_output_and_the_next_run_removes_its_leftov
     assert sorted(p.name for p in tmp_path.iterdir()) == ["big", "out"]
 
 
+def test_tokenizer_training_cuts_a_word_at_long_run_characters_and_leaves_other_text_alone():
+    """A 2 MB word without spaces (base64, DNA) would keep BPE training busy for many minutes."""
+    normal = "def f(x):\n    return x  # " + "y" * (preprocess.LONG_RUN - 1)
+    assert preprocess.cut_long_runs(normal) is normal
+    long = "a " + "b" * (2 * preprocess.LONG_RUN + 5) + " c"
+    cut = preprocess.cut_long_runs(long)
+    assert cut.replace("\n", "") == long
+    run = preprocess.LONG_RUN
+    assert [len(word) for word in cut.split()] == [1, run, run, 5, 1]
+
+
+def test_text_inputs_follow_links_once_say_what_they_leave_out_and_decode_as_their_files_say(
+        tmp_path):
+    corpus = tmp_path / "corpus"
+    (corpus / "own").mkdir(parents=True)
+    (corpus / "own" / "a.txt").write_text("alpha from a real folder")
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "b.txt").write_text("beta behind a link")
+    (corpus / "linked").symlink_to(tmp_path / "elsewhere")
+    (corpus / "loop").symlink_to(corpus)  # would repeat every file, for ever
+    (corpus / "gone.txt").symlink_to(tmp_path / "nowhere.txt")
+    (corpus / ".cache").mkdir()
+    (corpus / ".cache" / "c.txt").write_text("an editor's copy")
+    (corpus / "utf16.txt").write_bytes("gamma in UTF-16".encode("utf-16"))
+    (corpus / "bom.txt").write_bytes("delta".encode("utf-8-sig"))
+    # JSON Lines as datasets' to_json() names them; a latin-1 line is replaced, not refused
+    (tmp_path / "rows.json").write_bytes(json.dumps({"text": "epsilon"}).encode() + b"\n"
+                                         + b'{"text": "caf\xe9"}\n')
+    pq.write_table(pa.table({"text": pa.array(["zeta", "zeta", "eta"]).dictionary_encode()}),
+                   tmp_path / "category.parquet")
+    out = tmp_path / "out"
+    result = preprocess_in_process("--input", corpus, tmp_path / "rows.json",
+                                   tmp_path / "category.parquet", corpus / "own" / "a.txt",
+                                   "--out", out, "--vocab-size", 300, "--val-fraction", 0)
+    assert result.returncode == 0, result.stderr
+    assert "left out of" in result.stdout and "1 hidden" in result.stdout \
+        and "1 broken links" in result.stdout and "given twice" in result.stdout, result.stdout
+    tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
+    table = pa.ipc.open_file(pa.memory_map(str(out / "train-00000.arrow"))).read_all()
+    texts = [tokenizer.decode(ids) for ids in table.column("input_ids").to_pylist()]
+    assert texts == ["delta", "beta behind a link", "alpha from a real folder", "gamma in UTF-16",
+                     "epsilon", "caf\ufffd", "zeta", "zeta", "eta"]
+    assert "invalid UTF-8 replaced by U+FFFD in 1 documents" in result.stdout
+    pipe = preprocess_in_process("--input", "/dev/null", "--out", tmp_path / "other")
+    assert pipe.returncode == 2 and "is not a file or a folder" in pipe.stderr
+
+
 def bad_input_args(case, tmp_path):
     """Arguments for one foreseeable mistake, its files made in tmp_path."""
     good_line = json.dumps({"text": "fine"}) + "\n"
@@ -848,6 +895,29 @@ def bad_input_args(case, tmp_path):
         return ["--input", jsonl, "--val-fraction", 1]
     if case == "option_value_not_a_number":
         return ["--input", jsonl, "--val-fraction", "two percent"]
+    if case == "empty_input_value":  # an unset shell variable: not the current folder
+        return ["--input", ""]
+    if case == "vocab_size_too_large":  # the BPE trainer would allocate by it, and abort
+        return ["--input", jsonl, "--vocab-size", 2**32]
+    if case in ("parquet_damaged", "arrow_text_not_utf8"):
+        if case == "parquet_damaged":
+            path = tmp_path / "t.parquet"
+            pq.write_table(pa.table({"text": [f"row {i} " * 20 for i in range(2000)]}), path,
+                           row_group_size=500, compression="none")
+            offset = pq.ParquetFile(path).metadata.row_group(2).column(0).data_page_offset
+        else:
+            path = tmp_path / "t.arrow"
+            offsets = pa.py_buffer(np.array([0, 4, 6], dtype=np.int32).tobytes())
+            column = pa.Array.from_buffers(pa.string(), 2, [None, offsets, pa.py_buffer(
+                b"fine\xff\xfe")])
+            with pa.ipc.new_file(path, pa.schema([("text", pa.string())])) as writer:
+                writer.write_table(pa.table({"text": column}))
+            offset = None
+        if offset is not None:
+            with open(path, "r+b") as file:
+                file.seek(offset)
+                file.write(b"\xff" * 16)
+        return ["--input", path]
     if case in ("config_data_not_a_mapping", "config_value_a_list"):
         config = tmp_path / "config.yaml"
         config.write_text("data: [1, 2]\n" if case == "config_data_not_a_mapping"
@@ -863,7 +933,9 @@ def bad_input_args(case, tmp_path):
                                   "vocab_size_too_small", "out_below_a_file",
                                   "only_empty_documents", "everything_held_out",
                                   "option_value_not_a_number", "config_data_not_a_mapping",
-                                  "config_value_a_list"])
+                                  "config_value_a_list", "empty_input_value",
+                                  "vocab_size_too_large", "parquet_damaged",
+                                  "arrow_text_not_utf8"])
 def test_bad_input_is_one_error_line_exit_2_and_no_output(tmp_path, case):
     out = tmp_path / "out"
     # a --vocab-size or --out in the case's own arguments wins: argparse keeps the last one
@@ -1583,6 +1655,22 @@ def test_images_from_parquet_ids_without_names_are_the_ids_that_occur(tmp_path):
     train = [label for key, label in zip(keys, [0, 1, 2, 1] * 3) if not in_val(key, 0.3)]
     assert read_images(tmp_path / "out", "train")[1] == train
     assert "the 3 that do are the classes, named by their ids" in result.stdout
+
+
+def test_images_from_hf_files_read_a_row_that_names_its_file_instead_of_holding_its_bytes(
+        tmp_path):
+    """datasets writes a local image it did not embed as {"bytes": None, "path": ...}."""
+    table = hf_table([0, 1] * 4)
+    (tmp_path / "pictures").mkdir()
+    Image.new("RGB", (20, 20), (255, 255, 255)).save(tmp_path / "pictures" / "white.png")
+    images = [{"bytes": None, "path": "pictures/white.png"}] * 4 \
+        + table.column("image").to_pylist()[4:]
+    pq.write_table(pa.table({"image": pa.array(images, table.schema.field("image").type),
+                             "label": table.column("label")}), tmp_path / "t.parquet")
+    result = build_folder(tmp_path / "t.parquet", tmp_path / "out", "--val-fraction", 0)
+    assert result.returncode == 0, result.stderr
+    pixels, _ = read_images(tmp_path / "out", "train")
+    assert len(pixels) == 8 and (pixels[:4] == 255).all() and (pixels[4:] == 0).all()
 
 
 def test_images_from_hf_files_take_the_image_column_of_several_by_its_name(tmp_path):
