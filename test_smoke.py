@@ -55,6 +55,7 @@ import time
 import traceback
 import types
 import unittest.mock
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -1655,6 +1656,18 @@ def test_images_from_parquet_ids_without_names_are_the_ids_that_occur(tmp_path):
     train = [label for key, label in zip(keys, [0, 1, 2, 1] * 3) if not in_val(key, 0.3)]
     assert read_images(tmp_path / "out", "train")[1] == train
     assert "the 3 that do are the classes, named by their ids" in result.stdout
+
+
+def test_an_image_past_pillows_bomb_limit_says_so_and_a_large_one_decodes_without_a_warning(
+        monkeypatch):
+    png = io.BytesIO()
+    Image.new("RGB", (100, 100)).save(png, format="PNG")  # 10,000 pixels
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 4_000)  # Pillow refuses above twice this
+    assert "Pillow's limit" in preprocess.decode_image((png.getvalue(), 16))
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 6_000)  # between once and twice: a warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert isinstance(preprocess.decode_image((png.getvalue(), 16)), tuple)
 
 
 def test_images_from_hf_files_read_a_row_that_names_its_file_instead_of_holding_its_bytes(
