@@ -19,7 +19,6 @@ import math
 import os
 import socket
 import sys
-import tempfile
 import threading
 import time
 import warnings
@@ -119,12 +118,18 @@ def load_config(argv, world_size):
         args = parse_args(argv)
     except (argparse.ArgumentError, ValueError) as error:
         die(f"{error}" + ("" if "->" in str(error) else " -> see: stress_test.py --help"))
+    empty = [name for name in ("sizes", "min_bytes", "max_bytes", "json", "ops")
+             if getattr(args, name) == ""]
+    if empty:  # not the defaults: an unset shell variable is a mistake
+        die(f'--{empty[0].replace("_", "-")} "" is an empty value -> give one, or leave it out')
     args.ops = [op.strip() for op in args.ops.split(",") if op.strip()]
     unknown_ops = [op for op in args.ops if op not in OPS]
     if unknown_ops or not args.ops:
         die(f"unknown collective {(unknown_ops or [''])[0]!r} in --ops "
             f"-> choose from {','.join(OPS)}")
     sweep_given = [args.min_bytes, args.max_bytes, args.factor] != [None] * 3
+    if args.factor is not None and args.factor < 2:
+        die(f"--factor {args.factor} would not grow the sweep -> give 2 or more")
     if args.sizes and sweep_given:
         die("--sizes and --min-bytes/--max-bytes/--factor both given -> use one of the two")
     try:
@@ -156,6 +161,9 @@ def load_config(argv, world_size):
         if not -1 <= getattr(args, option) < world_size:
             die(f"--{option.replace('_', '-')} {getattr(args, option)} is not a rank "
                 f"-> give 0..{world_size - 1}")
+    if args.inject_grad_corruption >= 0 and world_size < 2:
+        die("--inject-grad-corruption needs 2 or more ranks: one rank has nothing to differ from "
+            "-> launch 2 or more processes")
     if EXACT_INTEGER_LIMIT[args.dtype] // world_size < 2:
         die(f"sums over {world_size} ranks cannot be exact in {args.dtype} -> use --dtype float32")
     if not args.skip_grad_check:
@@ -284,6 +292,13 @@ def pattern(rank, index, modulus):
     """What `rank` writes at `index` of its buffer: 1..modulus, different per rank and per index, so
     a block from the wrong rank or at the wrong offset is caught (a constant fill would hide it)."""
     return (index + 37 * rank) % modulus + 1
+
+
+def pattern_modulus(op, dtype, world_size):
+    """The largest modulus (up to 1021, a prime) whose values, and sums over the ranks for the ops
+    that add, stay exact in dtype: rank r and r + modulus write alike."""
+    limit = EXACT_INTEGER_LIMIT[dtype]
+    return min(1021, limit // world_size if op in ("all_reduce_sum", "reduce_scatter") else limit)
 
 
 def fill_pattern(buffer, rank, modulus):
@@ -416,13 +431,14 @@ def time_iterations(run_once, before_last, iters, device):
         started = time.perf_counter()
         run_once()
         seconds.append(time.perf_counter() - started)
+        beat(PROGRESS["doing"])  # a slow row that progresses is no hang
     return sum(seconds) / iters, seconds
 
 
-def run_row(op, size_bytes, args, device, rank, world_size, modulus, corrupt):
+def run_row(op, size_bytes, args, device, rank, world_size, corrupt):
     """One line of the table: check the first call, warm up, time, check the last timed call."""
     beat(f"{op} at {size_bytes} B")
-    dtype = DTYPES[args.dtype]
+    dtype, modulus = DTYPES[args.dtype], pattern_modulus(op, args.dtype, world_size)
     count, input_buffer, output_buffer = make_buffers(op, size_bytes, dtype, device, world_size)
     check = functools.partial(count_wrong, output_buffer, op, rank, world_size, count, modulus)
     refill(input_buffer, output_buffer, rank, modulus)
@@ -433,6 +449,7 @@ def run_row(op, size_bytes, args, device, rank, world_size, modulus, corrupt):
     wrong = check()
     for _ in range(args.warmup):
         run_collective(op, input_buffer, output_buffer)
+        beat(f"{op} at {size_bytes} B")
     # all_reduce sums in place, so after many iterations the buffer holds huge numbers: refill
     # before the last one and check that its result is still exact
     mean_s, seconds = time_iterations(lambda: run_collective(op, input_buffer, output_buffer),
@@ -519,7 +536,7 @@ def check_gradients(args, device, rank, world_size):
 
 
 # ----------------------------------------------------------------------------- 6. soak
-def run_soak(args, sizes, device, rank, world_size, modulus):
+def run_soak(args, sizes, device, rank, world_size):
     """Repeat a mix of collectives for --duration s, check every result and keep, per rank, the wall
     time each collective took: the first rank to arrive waits for the last, so max - min over ranks
     is how late the last one came (the skew), and the rank that waited least is the straggler."""
@@ -531,6 +548,7 @@ def run_soak(args, sizes, device, rank, world_size, modulus):
     while True:
         for op, size in mix:
             count, input_buffer, output_buffer = make_buffers(op, size, dtype, device, world_size)
+            modulus = pattern_modulus(op, args.dtype, world_size)
             refill(input_buffer, output_buffer, rank, modulus)
             if device.type == "cuda":
                 torch.cuda.synchronize()  # so the wait below counts the collective, not the fill
@@ -593,9 +611,12 @@ def check_json_path(path, device):
         directory = os.path.dirname(os.path.abspath(path))
         if os.path.isdir(path):
             problem = "is a directory"
+        elif os.path.exists(path) and not os.path.isfile(path):  # /dev/null would be replaced
+            problem = "is not a regular file (a device, a pipe)"
         else:
-            try:  # a file made and removed at once: the file at path, if any, stays as it is
-                tempfile.TemporaryFile(dir=directory).close()
+            try:  # the very file the end writes, made and removed: the file at path stays
+                open(json_partial(path), "x").close()
+                os.remove(json_partial(path))
             except OSError as error:
                 problem = f"cannot write into {directory}: {error.strerror}"
     (problems,) = all_reduce_floats([1.0 if problem else 0.0], dist.ReduceOp.SUM, device)
@@ -604,14 +625,16 @@ def check_json_path(path, device):
             "(nothing was run)")
 
 
+def json_partial(path):
+    return f"{path}.tmp-{os.getpid()}"
+
+
 def main():
     args, sizes = load_config(sys.argv[1:], world_size=int(os.environ.get("WORLD_SIZE", 1)))
     device, rank, world_size = init_distributed(args.timeout)
     check_json_path(args.json, device)
     start_watchdog(args.timeout, rank)
     check_memory(args, sizes, device, world_size)
-    # values 1..modulus: sums stay exact
-    modulus = min(1021, EXACT_INTEGER_LIMIT[args.dtype] // world_size)
     run = print_header(args, device, world_size)
     for _ in range(int(3 * args.timeout) if rank == args.inject_stall else 0):
         time.sleep(1)  # stalled but alive: the other ranks' watchdogs must catch it, not its own
@@ -622,13 +645,13 @@ def main():
             if element_counts(op, size, DTYPES[args.dtype].itemsize, world_size)[0] == 0:
                 skipped.append(f"{op} at {size} B")
                 continue
-            rows.append(run_row(op, size, args, device, rank, world_size, modulus,
+            rows.append(run_row(op, size, args, device, rank, world_size,
                                 corrupt=rank == args.inject_corruption and not rows))
             row = rows[-1]
             if rank == 0:
                 speed = [f"{row[key]:.2f}" for key in ("time_us", "algbw", "busbw")]
                 percentiles = [f"{row[key]:.2f}" for key in ("p50_us", "p95_us", "p99_us")]
-                say(COLUMNS.format(size, row["count"], args.dtype, op, *speed, row["wrong"],
+                say(COLUMNS.format(row["size"], row["count"], args.dtype, op, *speed, row["wrong"],
                                    *percentiles))
     failures = [f"#wrong {row['wrong']} in {row['op']} at {row['size']} B"
                 for row in rows if row["wrong"]]
@@ -653,7 +676,7 @@ def main():
             f"{'equal' if grad['checksums_equal'] else 'DIFFER'} on every rank: "
             f"{'PASS' if grad['passed'] else 'FAIL'}")
 
-    soak = run_soak(args, sizes, device, rank, world_size, modulus) if args.duration else None
+    soak = run_soak(args, sizes, device, rank, world_size) if args.duration else None
     if soak and soak["wrong"]:
         failures.append(f"#wrong {soak['wrong']} in the soak")
     if soak and rank == 0:
@@ -664,12 +687,16 @@ def main():
             f"({soak['straggler_share']:.0%} of collectives)")
 
     if rank == 0:
+        if failures:  # the line launch.sh reports
+            say(f"error: stress_test: FAIL ({'; '.join(failures)}) -> a wrong result is a fault "
+                "of a GPU, a link or a driver: run on fewer nodes or GPUs to find it",
+                file=sys.stderr)
         say(f"stress_test: FAIL ({'; '.join(failures)})" if failures else
             f"stress_test: PASS (0 wrong elements in {len(rows)} rows"
             + (f", grads identical across {world_size} ranks" if grad else "")
             + (f", soak of {soak['seconds']:.0f} s clean" if soak else "") + ")")
         if args.json:  # written beside, then renamed: a crash midway leaves the previous file whole
-            partial = f"{args.json}.tmp-{os.getpid()}"
+            partial = json_partial(args.json)
             with open(partial, "w") as out:
                 json.dump({"argv": sys.argv, "run": run, "sizes": sizes, "rows": rows,
                            "grad_check": grad, "soak": soak, "passed": not failures,

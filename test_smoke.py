@@ -4653,6 +4653,54 @@ def test_the_verdict_names_every_failed_check(corrupted_run):
     code, output, _ = corrupted_run
     assert "stress_test: FAIL (#wrong 1 in all_reduce_sum at 8 B; gradients or parameters differ "\
            "across ranks)" in output, output
+    # and as the error line launch.sh reports
+    assert "\nerror: stress_test: FAIL (#wrong 1 in all_reduce_sum" in output, output
+
+
+def test_a_block_from_another_rank_is_caught_in_bfloat16_on_32_ranks():
+    """Values repeat every `modulus` ranks; only the ops that add need it divided by the ranks."""
+    import stress_test
+    ranks, share = 32, 4
+    modulus = stress_test.pattern_modulus("all_gather", "bfloat16", ranks)
+    gathered = torch.cat([stress_test.pattern(rank, torch.arange(share), modulus)
+                          for rank in range(ranks)]).to(torch.bfloat16)
+    assert stress_test.count_wrong(gathered, "all_gather", 0, ranks, share, modulus) == 0
+    gathered[:share] = stress_test.pattern(8, torch.arange(share), modulus)  # rank 8's in 0's place
+    assert stress_test.count_wrong(gathered, "all_gather", 0, ranks, share, modulus) == share
+    modulus = stress_test.pattern_modulus("broadcast", "bfloat16", ranks)
+    from_rank_16 = stress_test.pattern(16, torch.arange(8), modulus).to(torch.bfloat16)
+    assert stress_test.count_wrong(from_rank_16, "broadcast", 3, ranks, 8, modulus) == 8
+    summed = stress_test.pattern_modulus("all_reduce_sum", "bfloat16", ranks)
+    assert summed * ranks <= stress_test.EXACT_INTEGER_LIMIT["bfloat16"]  # sums stay exact
+
+
+@pytest.mark.parametrize("options, world_size, message", [
+    (["--factor", "0"], 2, "--factor 0 would not grow the sweep"),
+    (["--sizes", ""], 2, '--sizes "" is an empty value'),
+    (["--inject-grad-corruption", "0"], 1, "needs 2 or more ranks"),
+])
+def test_options_that_would_run_something_else_than_asked_are_refused(options, world_size, message,
+                                                                       monkeypatch, capsys):
+    import stress_test
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        stress_test.load_config(options, world_size=world_size)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_json_path_of_a_fifo_or_too_long_a_name_is_refused_and_the_fifo_stays(tmp_path):
+    """A device or a pipe would be replaced by the file written beside it and renamed: as root,
+    --json /dev/null would have replaced /dev/null."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for path, message in [(fifo, "is not a regular file"),
+                          (tmp_path / ("a" * 250 + ".json"), "File name too long")]:
+        done = subprocess.run([sys.executable, "stress_test.py", "--json", str(path), "--sizes",
+                               "8", "--ops", "broadcast", "--skip-grad-check"], cwd=REPO,
+                              capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+        assert done.returncode == 2 and message in done.stderr, done.stderr
+    assert fifo.is_fifo()
 
 
 def test_soak_checks_every_result_and_reports_skew(default_run_with_soak):
@@ -4670,6 +4718,15 @@ def test_a_stalled_rank_ends_the_run_with_a_timeout_error():
                                       "--skip-grad-check")
     assert code != 0, output
     assert "error: rank 0: no collective finished for" in output
+
+
+def test_a_row_slower_than_the_timeout_but_progressing_is_no_hang():
+    """The watchdog times each collective, not each row: a row of 100 all-reduces of 16 MiB takes
+    longer than --timeout 1 s on a CPU, each one far less."""
+    code, output = launch_stress_test("--sizes", "16M", "--ops", "all_reduce_sum", "--iters", "100",
+                                      "--warmup", "0", "--timeout", "1", "--skip-grad-check")
+    assert code == 0 and "stress_test: PASS" in output, output
+    assert float(table_rows(output)[("all_reduce_sum", 16 * 2**20)][1].split()[4]) * 100 > 1e6
 
 
 def test_parse_size_reads_bytes_and_binary_units():
