@@ -2929,14 +2929,22 @@ def test_resuming_an_older_checkpoint_next_to_newer_ones_is_refused(trained_run,
     assert sorted(p.name for p in (out / "ckpt").iterdir()) == before
 
 
-def test_resume_says_what_changed_applies_it_and_refuses_to_run_no_step(trained_run, data_dir,
-                                                                        tmp_path):
+def test_resume_says_what_changed_applies_it_and_at_max_steps_validates_and_exports(
+        trained_run, data_dir, tmp_path):
+    """A run stopped in its last step leaves its checkpoint at max_steps: the same command then
+    ends the run (validation, the export), as the stop line says; a lower max_steps is refused."""
     out, _ = trained_run
     shutil.copytree(out / "ckpt", tmp_path / "ckpt")
-    error, _ = train_in_process(f"data.dir={data_dir}", *EIGHT_STEPS, f"out_dir={tmp_path}",
-                                f"checkpoint.dir={tmp_path}/ckpt")
-    assert "is at step 8, train.max_steps is 8: nothing left to train" in error
-    assert "checkpoint.resume=never" not in error  # it refuses a directory holding checkpoints
+    error, _ = train_in_process(f"data.dir={data_dir}", *EIGHT_STEPS, "train.max_steps=6",
+                                f"out_dir={tmp_path}", f"checkpoint.dir={tmp_path}/ckpt")
+    assert "is at step 8, past train.max_steps=6" in error
+    error, printed = train_in_process(f"data.dir={data_dir}", *EIGHT_STEPS, f"out_dir={tmp_path}",
+                                      f"checkpoint.dir={tmp_path}/ckpt")
+    assert error is None and "no step left, the run's end follows" in printed, error
+    assert [record["step"] for record in read_metrics(tmp_path, "val")] == [8]
+    assert read_metrics(tmp_path, "train") == [] and (tmp_path / "final" / "config.json").is_file()
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) \
+        == sorted(p.name for p in (out / "ckpt").iterdir())  # no checkpoint written or removed
     error, printed = train_in_process(f"data.dir={data_dir}", *EIGHT_STEPS, "optim.lr=5e-3",
                                       "train.max_steps=9", f"out_dir={tmp_path}",
                                       f"checkpoint.dir={tmp_path}/ckpt", "export=false")
@@ -2946,6 +2954,83 @@ def test_resume_says_what_changed_applies_it_and_refuses_to_run_no_step(trained_
                                 use_cuda=False)
     assert read_metrics(tmp_path, "train")[-1]["lr"] \
         == pytest.approx(5e-3 * train_ddp.lr_factor(8, cfg))
+
+
+def test_the_other_trainers_checkpoints_and_a_damaged_one_are_refused_not_overwritten(
+        trained_run, tmp_path):
+    """Each trainer counts only its own file set as complete: it would start at step 0 and replace
+    the other's step_* directories as they came."""
+    import train_fsdp
+    out, _ = trained_run  # train_ddp.py's
+    before = sorted(p.name for p in (out / "ckpt").iterdir())
+    with pytest.raises(train_fsdp.UserError, match="not a complete checkpoint of this trainer "
+                                                   r"\(train_ddp.py's, or damaged\)"):
+        train_fsdp.find_resume_checkpoint(out / "ckpt", "auto")
+    shards = tmp_path / "ckpt" / "step_000004"  # train_fsdp.py's layout
+    shards.mkdir(parents=True)
+    for name in train_fsdp.CHECKPOINT_FILES:
+        (shards / name).write_bytes(b"")
+    with pytest.raises(train_ddp.UserError, match="train_fsdp.py's, or damaged"):
+        train_ddp.find_resume_checkpoint(tmp_path / "ckpt", "auto")
+    assert sorted(p.name for p in (out / "ckpt").iterdir()) == before
+
+
+def test_a_latest_pointer_older_than_the_newest_checkpoint_or_not_a_name_is_passed_over(
+        trained_run, tmp_path):
+    out, _ = trained_run
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(out / "ckpt", ckpt)
+    for pointer in [b"step_000004", b"\xff", b"../../etc", str(out / "ckpt" / "step_000004")]:
+        (ckpt / "latest").write_bytes(pointer if isinstance(pointer, bytes) else pointer.encode())
+        assert train_ddp.find_resume_checkpoint(ckpt, "auto") == ckpt / "step_000008", pointer
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"\xff\xfe train:", "is not UTF-8 text"),
+    (b"train:\n  1: 2\n", "'train.1' in the config file is not a key name"),
+    (b"true: 1\n", "'True' in the config file is not a key name"),
+])
+def test_a_config_file_that_is_not_text_or_has_keys_that_are_not_names_is_one_line(
+        tmp_path, content, message):
+    config = tmp_path / "bad.yaml"
+    config.write_bytes(content)
+    with pytest.raises(train_ddp.UserError, match=re.escape(message)):
+        train_ddp.load_config([str(config)], use_cuda=False)
+
+
+def test_a_seed_numpy_and_torch_cannot_take_is_refused_before_anything_starts():
+    for seed in ["-1", "99999999999999999999"]:
+        cfg = train_ddp.load_config([f"train.seed={seed}"], use_cuda=False)
+        with pytest.raises(train_ddp.UserError, match=f"train.seed={seed} is out of range"):
+            train_ddp.check_config(cfg, 1)
+
+
+def test_a_load_error_whose_first_line_ends_in_a_colon_says_the_next_line_too():
+    model, other = torch.nn.Linear(4, 2), torch.nn.Linear(4, 3)
+    with pytest.raises(RuntimeError) as raised:
+        model.load_state_dict(other.state_dict())
+    assert "size mismatch for weight" in train_ddp.first_line(raised.value)
+
+
+def test_the_end_of_a_run_cannot_fail_after_training_on_the_sample_or_the_tokenizer(
+        data_dir, tmp_path):
+    """Found before the first step, or said in a line: never a traceback after the compute."""
+    copy = tmp_path / "data"
+    shutil.copytree(data_dir, copy)
+    (copy / "tokenizer.json").unlink()
+    error, _ = train_in_process(f"data.dir={copy}", *TINY_MODEL, "train.max_steps=1",
+                                f"out_dir={tmp_path}/a", f"checkpoint.dir={tmp_path}/a/ckpt")
+    assert "lacks its tokenizer file tokenizer.json" in error
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "final").write_text("a file where the export goes")
+    error, _ = train_in_process(f"data.dir={data_dir}", *TINY_MODEL, "train.max_steps=1",
+                                f"out_dir={tmp_path}/b", f"checkpoint.dir={tmp_path}/b/ckpt")
+    assert "final is a file, where the export goes" in error
+    error, printed = train_in_process(f"data.dir={data_dir}", *TINY_MODEL, "train.max_steps=1",
+                                      "log.sample_tokens=0", f"out_dir={tmp_path}/c",
+                                      f"checkpoint.dir={tmp_path}/c/ckpt")
+    assert error is None and "no sample: log.sample_tokens=0" in printed, error
+    assert (tmp_path / "c" / "final" / "config.json").is_file()
 
 
 def test_ranks_that_do_not_share_checkpoint_dir_are_stopped_before_training(data_dir, tmp_path):
@@ -6303,7 +6388,7 @@ def test_functions_both_trainers_define_are_the_same_source_but_fsdps_own():
 
 
 # Lines per file: a budget against growth.
-FILE_BUDGET = {"train_ddp.py": 2762, "train_fsdp.py": 2423}
+FILE_BUDGET = {"train_ddp.py": 2788, "train_fsdp.py": 2449}
 # What each trainer defines above its marker line, in reading order, and nothing else: all a learner
 # needs to understand training a causal LM with DDP (or FSDP).
 LESSON = {

@@ -163,10 +163,11 @@ def main():
                   lock=lock)
     write_metrics(setup, {"kind": "start", "step": run.step, "world_size": world_size,
                           "time": time.time()})
+    catch_stop_signals(setup.stop_requested)  # SIGTERM, SIGINT: finish the step, save, stop
     if run.step == 0:
         log0("step 0 | validation (the first steps include compilation)")
+    if run.step in (0, cfg.train.max_steps):  # at max_steps: a stop came before its validation
         validate(model, val_data, setup, run.step)
-    catch_stop_signals(setup.stop_requested)  # SIGTERM, SIGINT: finish the step, save, stop
     interval, batches = Interval(device), step_batches(setup, run.position)
     memory_step = min(run.step + 2, cfg.train.max_steps)  # AdamW makes its state in the first step
     while run.step < cfg.train.max_steps:
@@ -582,9 +583,11 @@ def resume(resume_dir, raw_model, optimizer, scheduler, scaler, cfg, meta):
     state = on_all_ranks(load_train_state, resume_dir, scheduler, scaler, cfg, meta)
     on_all_ranks(load_weights, resume_dir, raw_model, optimizer)
     run = Run(step=state["step"], position=state["samples_seen"], tokens_seen=state["tokens_seen"])
-    if run.step >= cfg.train.max_steps:
-        die(f"{resume_dir} is at step {run.step}, train.max_steps is {cfg.train.max_steps}: "
-            "nothing left to train -> raise train.max_steps, or use a new checkpoint.dir")
+    if run.step > cfg.train.max_steps:
+        die(f"{resume_dir} is at step {run.step}, past train.max_steps={cfg.train.max_steps} -> "
+            "raise train.max_steps, or use a new checkpoint.dir")
+    if run.step == cfg.train.max_steps:  # stopped before its end: validation, the export
+        log0(f"note: {resume_dir} is at train.max_steps: no step left, the run's end follows")
     restore_rng(state["rng"], dist.get_rank(), cfg.train.seed, run.step)
     apply_settings(optimizer, scheduler, cfg, run.step)
     changed = changed_settings(state["config"], cfg)
@@ -728,6 +731,7 @@ RANGES = {
     **dict.fromkeys(["model.dropout", "optim.beta1", "optim.beta2"], "at least 0 and below 1"),
     **dict.fromkeys(["optim.lr", "optim.eps", "dist.timeout_s"], "above 0"),
     "log.prometheus_port": "at least 0 and at most 65535",
+    "train.seed": "at least 0 and at most 4294967295",
 }
 
 
@@ -816,6 +820,8 @@ def load_config(args, use_cuda):
 def read_yaml(path):
     try:
         tree = yaml.load(path.read_text(), Loader=ConfigLoader)
+    except UnicodeDecodeError as error:
+        die(f"{path} is not UTF-8 text ({error.reason} at byte {error.start}) -> save it as UTF-8")
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "somewhere"
@@ -856,6 +862,9 @@ def typed(flat, key, value, where):
 def flatten(tree, prefix=""):
     flat = {}
     for key, value in tree.items():
+        if not isinstance(key, str):  # `1: 2` or `true: 1` in a config file
+            die(f"'{prefix}{key}' in the config file is not a key name -> write the names of "
+                "config.yaml")
         flat.update(flatten(value, f"{prefix}{key}.") if isinstance(value, dict) else
                     {prefix + key: value})
     return flat
@@ -926,7 +935,8 @@ def die(message):
 
 def first_line(error):
     """An exception's first line, for a one-line message (some exceptions have an empty text)."""
-    return (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+    lines = str(error).strip().splitlines() or [type(error).__name__]
+    return " ".join(lines[:2] if lines[0].endswith(":") else lines[:1])[:300]
 
 
 def unloadable(error):
@@ -991,6 +1001,8 @@ class ArrowTokens:
                         for role in ("eot", "pad", "mask", "cls", "sep"))):
             die(f"{data_dir / 'meta.json'} lacks vocab_size or special_tokens (eot, pad, mask, "
                 f"cls, sep) {rebuild}")
+        if not (data_dir / str(meta.get("tokenizer_file"))).is_file():  # the export saves it
+            die(f"{data_dir} lacks its tokenizer file {meta.get('tokenizer_file')} {rebuild}")
         self.seq_len, self.vocab_size = seq_len, meta["vocab_size"]
         self.summary = f"{meta['splits'][split].get('tokens', 0):,} {split} tokens"
         self.chunks, self.pieces = [], []  # a chunk's row: a document
@@ -1361,13 +1373,20 @@ def find_resume_checkpoint(ckpt_dir, resume):
         log0(f"removing {leftover}, left by a run that stopped while writing a checkpoint")
         shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
     existing = complete_checkpoints(ckpt_dir)
+    strange = [p for p in ckpt_dir.glob("step_*") if step_of(p) >= 0 and not is_complete(p)]
+    if strange:  # a new checkpoint of its step would replace it
+        die(f"{strange[0]} is not a complete checkpoint of this trainer ({OTHER_TRAINER}'s, or "
+            f"damaged) -> resume it with the trainer that wrote it, or move it out of {ckpt_dir}")
     if resume == "never" and existing:
         die(f"{ckpt_dir} already holds checkpoints ({existing[-1].name}), checkpoint.resume=never "
             "would overwrite them -> use checkpoint.resume=auto, or another checkpoint.dir")
     if resume in ("auto", "never"):
-        pointer = ckpt_dir / "latest"
-        pointed = [ckpt_dir / pointer.read_text().strip()] if pointer.is_file() else []
-        for candidate in [p for p in pointed if is_complete(p)] + existing[::-1]:
+        try:  # a name in ckpt_dir, written after the rename: a stale listing may lack that one
+            pointed = [ckpt_dir / (ckpt_dir / "latest").read_text().strip()]
+        except (OSError, UnicodeDecodeError):
+            pointed = []
+        candidates = {p for p in pointed if p.parent == ckpt_dir and is_complete(p)} | {*existing}
+        for candidate in sorted(candidates, key=step_of, reverse=True):
             damage = checksum_mismatch(candidate)
             if damage is None:
                 return candidate
@@ -1626,6 +1645,8 @@ def catch_stop_signals(requested):
 def open_metrics(out_dir, step):
     """metrics.jsonl, kept across restarts less the records past `step`: those steps run again."""
     path = out_dir / "metrics.jsonl"
+    if (out_dir / "final").exists() and not (out_dir / "final").is_dir():
+        die(f"{out_dir / 'final'} is a file, where the export goes -> move it, or set out_dir")
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         if path.exists():
@@ -1735,6 +1756,9 @@ def export_final(raw_model, data_dir, meta, final_dir, cfg, device):
         prompt = torch.tensor([tokenizer.encode(cfg.log.sample_prompt)], device=device)
         room = raw_model.config.max_position_embeddings - prompt.shape[1]
         new_tokens = min(cfg.log.sample_tokens, room)
+        if new_tokens < 1:
+            return log0(f"no sample: log.sample_tokens={cfg.log.sample_tokens}, and the prompt "
+                        f"leaves {room} of the model's positions")
         with torch.no_grad():
             generated = raw_model.generate(prompt, attention_mask=torch.ones_like(prompt), top_k=40,
                                            max_new_tokens=new_tokens, do_sample=True,
@@ -2402,6 +2426,8 @@ if __name__ == "__main__":
         except (UserError, Stopped) as ending:
             code, line = (2, f"error: {ending}") if isinstance(ending, UserError) else (
                 EXIT_STOPPED, str(ending))
+        except KeyboardInterrupt:  # before catch_stop_signals: nothing trained, nothing to save
+            code, line = 130, "stopped by Ctrl-C before the first step: nothing was saved"
         finally:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)  # leaving: a SIGTERM ends us at once
         # main()'s objects go first (an ending's traceback held them until here): the sharded
