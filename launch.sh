@@ -9,11 +9,12 @@
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 bash launch.sh   # on every node, NODE_RANK 0, 1, ...
 #   srun --ntasks-per-node=1 bash launch.sh         # nodes, rank and master from SLURM_* variables
 #
-# Environment: NNODES (1), NODE_RANK (0), MASTER_ADDR (127.0.0.1), MASTER_PORT (29500),
-# NPROC_PER_NODE (visible GPUs, or 2 without GPUs), PYTHON (python3), LAUNCH_DEVICE (auto|cuda|cpu),
-# MASTER_WAIT_S (how long a worker node waits for the master, 120), MIN_FREE_GB (checkpoint disk,
-# 2), MAX_RESTARTS (3: how often torchrun restarts the workers after one of them failed; the
-# trainer then resumes from its newest checkpoint), LOG_DIR (out/logs: every rank's stderr of each
+# Environment: NNODES (1), NODE_RANK (0), MASTER_ADDR (node 0's address, needed with NNODES > 1;
+# one node uses 127.0.0.1), MASTER_PORT (29500), NPROC_PER_NODE (visible GPUs, or 2 without GPUs),
+# PYTHON (python3), LAUNCH_DEVICE (auto|cuda|cpu), MASTER_WAIT_S (how long a worker node waits for
+# the master, 120), MIN_FREE_GB (checkpoint disk, 2), MAX_RESTARTS (how often torchrun restarts the
+# workers after one of them failed: 3 for a trainer, which then resumes from its newest checkpoint;
+# 0 for other scripts), LOG_DIR (out/logs: every rank's stderr of each
 # attempt goes to LOG_DIR/<date>-node<NODE_RANK>-<pid>/; a node whose workers were restarted only
 # because another node's failed rewrites its attempt_0), and with NNODES > 1: RDZV_ID (the job's
 # id, the same on every node: SLURM_JOB_ID under Slurm, else "none"), LOCAL_ADDR (this node's
@@ -43,7 +44,7 @@
 # before torchrun's SIGKILL.
 set -euo pipefail
 
-HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+HERE=$(cd "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")" && pwd)
 PYTHON=${PYTHON:-python3}
 
 # ---------------------------------------------------------------- arguments
@@ -53,6 +54,7 @@ ARGS=()
 for arg in "$@"; do
   case "$arg" in
     --dry-run) DRY_RUN=1 ;;
+    -h | --help) sed -n '2,/^set -euo/{/^#/s/^# \{0,1\}//p}' "$HERE/launch.sh"; exit 0 ;;
     *.py)
       if [ ${#ARGS[@]} -eq 0 ] && [ "$SCRIPT" = train_ddp.py ]; then
         SCRIPT=$arg
@@ -62,10 +64,12 @@ for arg in "$@"; do
     *) ARGS+=("$arg") ;;
   esac
 done
-[ -f "$SCRIPT" ] || SCRIPT=$HERE/$(basename "$SCRIPT")
-# a trainer gets the config, data and checkpoint checks; any other script is launched as is
+# a bare name is this repository's script when there is none of that name here
+case "$SCRIPT" in */*) ;; *) [ -f "$SCRIPT" ] || SCRIPT=$HERE/$SCRIPT ;; esac
+# a trainer of ours (a renamed copy too) gets the config, data and checkpoint checks and restarts;
+# any other script is launched as is, once
 IS_TRAINER=0
-case "$(basename "$SCRIPT")" in train_*.py) IS_TRAINER=1 ;; esac
+if grep -qsF '"--check" in sys.argv' "$SCRIPT"; then IS_TRAINER=1; fi
 
 report() { printf '%-26s %s\n' "$1" "$2"; }
 fail() {  # fail CHECK "reason -> fix": a mistake to fix
@@ -80,19 +84,24 @@ is_count() { [[ "$1" =~ ^(0|[1-9][0-9]{0,8})$ ]]; }
 if [ -n "${SLURM_JOB_ID:-}" ] && [ -z "${NNODES:-}" ]; then
   NNODES=${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}}
   NODE_RANK=${SLURM_NODEID:-0}
+  [ "${SLURM_NTASKS_PER_NODE:-1}" = 1 ] || fail "slurm" "SLURM_NTASKS_PER_NODE=$SLURM_NTASKS_PER_NODE: each task would start a torchrun of its own -> srun --ntasks-per-node=1 bash launch.sh"
   if [ -z "${MASTER_ADDR:-}" ]; then
     command -v scontrol >/dev/null || fail "slurm" "scontrol not found to read the first node of \$SLURM_JOB_NODELIST -> set MASTER_ADDR"
     # `sed -n 1p` reads to the end; `head -n 1` would leave early, and under pipefail the SIGPIPE
     # this gives scontrol (exit 141) would end this script without a word.
-    MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)
+    MASTER_ADDR=$(scontrol show hostnames "${SLURM_JOB_NODELIST:-}" 2>/dev/null | sed -n 1p) || true
+    [ -n "$MASTER_ADDR" ] || fail "slurm" "scontrol named no first node of SLURM_JOB_NODELIST='${SLURM_JOB_NODELIST:-}' -> run inside the job's allocation, or set MASTER_ADDR"
   fi
 fi
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
+GIVEN_MASTER_ADDR=${MASTER_ADDR:-}
+# one node: its own loopback, whatever MASTER_ADDR a shell kept from another job
+if [ "$NNODES" = 1 ]; then MASTER_ADDR=127.0.0.1; fi
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
 MASTER_PORT=${MASTER_PORT:-29500}
 LAUNCH_DEVICE=${LAUNCH_DEVICE:-auto}
-MAX_RESTARTS=${MAX_RESTARTS:-3}
+MAX_RESTARTS=${MAX_RESTARTS:-$((IS_TRAINER ? 3 : 0))}  # a restart resumes a trainer's checkpoint
 RDZV_ID=${RDZV_ID:-${SLURM_JOB_ID:-none}}
 LOG_DIR=${LOG_DIR:-out/logs}
 
@@ -116,10 +125,23 @@ check_restarts() {
   is_count "$MAX_RESTARTS" || fail "restarts" "MAX_RESTARTS=$MAX_RESTARTS is not a number -> set MAX_RESTARTS=0 (never restart) or more"
 }
 
+check_master_address() {
+  [ "$NNODES" = 1 ] || [ -n "$GIVEN_MASTER_ADDR" ] ||
+    fail "master address" "NNODES=$NNODES but no MASTER_ADDR: the other nodes cannot reach 127.0.0.1 -> set MASTER_ADDR to node 0's address, the same on every node"
+}
+
+check_device() {
+  case "$LAUNCH_DEVICE" in auto | cuda | cpu) ;; *)
+    fail "device" "LAUNCH_DEVICE=$LAUNCH_DEVICE is not auto, cuda or cpu -> set one of them" ;;
+  esac
+}
+
 check_node_count
 check_node_rank
 check_port_number
 check_restarts
+check_master_address
+check_device
 
 gpus_seen_by_driver() {
   if [ "$LAUNCH_DEVICE" = cpu ] || ! command -v nvidia-smi >/dev/null; then echo 0; return; fi
@@ -350,24 +372,7 @@ check_log_dir() {
   report "log dir" "ok ($RUN_LOG_DIR)"
 }
 
-check_script
-probe_python
-check_python
-check_cuda
-check_nccl
-check_processes
-if [ "$IS_TRAINER" = 1 ]; then check_config; fi
-# A worker node waits for the master before it looks at the data: node 0 prepares the default corpus
-# before it opens the rendezvous, so on a shared filesystem no two nodes build it at once.
-if [ "$NODE_RANK" != 0 ]; then check_master_reachable; fi
-if [ "$IS_TRAINER" = 1 ]; then
-  check_data
-  check_checkpoint_dir
-fi
-if [ "$NODE_RANK" = 0 ]; then check_master_port_free; fi
-check_log_dir
-
-# ---------------------------------------------------------------- launch, watch, report
+# set before the checks: a stop while the default data is prepared ends with its line
 STOPPED_BY="" STOPPED_AT_ONCE="" TORCHRUN_PID="" STARTING=""
 # shellcheck disable=SC2317  # called by the traps below, which shellcheck 0.9 does not follow
 stop_torchrun() {  # trap for SIGTERM and SIGINT, set before torchrun starts
@@ -394,6 +399,24 @@ stop_torchrun() {  # trap for SIGTERM and SIGINT, set before torchrun starts
 trap 'stop_torchrun TERM' TERM
 trap 'stop_torchrun INT' INT
 
+check_script
+probe_python
+check_python
+check_cuda
+check_nccl
+check_processes
+if [ "$IS_TRAINER" = 1 ]; then check_config; fi
+# A worker node waits for the master before it looks at the data: node 0 prepares the default corpus
+# before it opens the rendezvous, so on a shared filesystem no two nodes build it at once.
+if [ "$NODE_RANK" != 0 ]; then check_master_reachable; fi
+if [ "$IS_TRAINER" = 1 ]; then
+  check_data
+  check_checkpoint_dir
+fi
+if [ "$NODE_RANK" = 0 ]; then check_master_port_free; fi
+check_log_dir
+
+# ---------------------------------------------------------------- launch, watch, report
 # torchrun's traceback and summary of the ranks at its end: shown below if no rank's line said why
 HELD_BACK=$RUN_LOG_DIR/torchrun-traceback.log
 # Lines pass on as they come; a traceback of torchrun's own (a worker's line starts [default<N>]:)

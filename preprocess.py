@@ -1530,4 +1530,8 @@ def print_skipped(skipped, named, images, passed_over):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # the temporary folder is gone (finally); out is as it was
+        say("stopped by Ctrl-C: nothing was written", file=sys.stderr)
+        sys.exit(130)

@@ -4944,6 +4944,32 @@ def test_launch_dry_run_prints_the_torchrun_command(env, expected, tmp_path):
     assert result.stdout.strip().endswith("train_ddp.py train.max_steps=3")
 
 
+def test_launch_restarts_and_checks_only_our_trainers_keeps_paths_as_given_and_has_help(tmp_path):
+    """A user's own train_mine.py is launched as is, once (its --check would have run it); a
+    renamed copy of ours is ours; a path names that file, not this repository's of that name."""
+    shutil.copy(REPO / "train_ddp.py", tmp_path / "train_copy.py")
+    (tmp_path / "train_mine.py").write_text("print('my own trainer')\n")
+    clean = {key: value for key, value in os.environ.items() if key not in TOPOLOGY}
+
+    def dry_run(*args, **env):
+        result = subprocess.run(["bash", str(REPO / "launch.sh"), "--dry-run", *args], cwd=tmp_path,
+                                env={**clean, "LAUNCH_DEVICE": "cpu", **env}, capture_output=True,
+                                text=True, timeout=60)
+        assert result.returncode == 0, result.stderr
+        return result.stdout
+
+    assert "--max-restarts 0 " in dry_run("train_mine.py")
+    assert "--max-restarts 0 " in dry_run("stress_test.py")
+    assert "--max-restarts 3 " in dry_run("train_copy.py")
+    assert dry_run("elsewhere/train_ddp.py").strip().endswith(" elsewhere/train_ddp.py")
+    # one node: its loopback, not an address a shell kept from a multi-node job
+    assert "--master-addr 127.0.0.1 " in dry_run(MASTER_ADDR="no.such.host.invalid")
+    usage = subprocess.run(["bash", "launch.sh", "--help"], cwd=REPO, capture_output=True,
+                           text=True, timeout=60)
+    assert usage.returncode == 0 and usage.stdout.startswith("launch.sh: check that this machine")
+    assert "Exit codes:" in usage.stdout and "set -euo" not in usage.stdout
+
+
 def write_fake_torch(directory, cuda_available, gpus=0, nccl=(2, 21, 5)):
     """A stand-in torch package for the checks that need hardware this machine lacks."""
     package = directory / "torch"
@@ -4961,7 +4987,8 @@ def write_fake_torch(directory, cuda_available, gpus=0, nccl=(2, 21, 5)):
 @pytest.mark.parametrize("case", ["script", "torch", "cuda", "nccl", "processes", "config", "data",
                                   "checkpoint", "port", "master", "master_before_data",
                                   "port_not_a_number", "port_out_of_range", "nodes", "node_rank",
-                                  "restarts", "log_dir", "not_a_rendezvous_server"])
+                                  "restarts", "log_dir", "not_a_rendezvous_server",
+                                  "master_address", "device"])
 def test_each_launch_check_fails_with_its_message(case, data_dir, tmp_path, busy_port):
     """Break one condition at a time; the launch stops at that check with a reason and a fix.
     Hardware this machine lacks (GPUs, NCCL) is played by a stand-in torch package."""
@@ -4973,7 +5000,8 @@ def test_each_launch_check_fails_with_its_message(case, data_dir, tmp_path, busy
     (tmp_path / "broken" / "torch").mkdir(parents=True)
     broken_init = tmp_path / "broken" / "torch" / "__init__.py"
     broken_init.write_text("raise ImportError('broken install')\n")
-    worker_node = {"NNODES": "2", "NODE_RANK": "1", "MASTER_WAIT_S": "1"}
+    worker_node = {"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "127.0.0.1",
+                   "MASTER_WAIT_S": "1"}
     # case: (arguments of launch.sh, environment, name of the check that must fail, part of its
     # message)
     cases = {
@@ -5014,6 +5042,10 @@ def test_each_launch_check_fails_with_its_message(case, data_dir, tmp_path, busy
         "node_rank": (["stress_test.py"], {"NNODES": "2", "NODE_RANK": "2"}, "node rank",
                       "from 0 to 1"),
         "restarts": (["stress_test.py"], {"MAX_RESTARTS": "-1"}, "restarts", "MAX_RESTARTS=-1"),
+        # 127.0.0.1 would leave node 0 waiting for nodes that cannot reach it
+        "master_address": (["stress_test.py"], {"NNODES": "2", "NODE_RANK": "0"},
+                           "master address", "no MASTER_ADDR"),
+        "device": (["stress_test.py"], {"LAUNCH_DEVICE": "gpu"}, "device", "LAUNCH_DEVICE=gpu"),
         "log_dir": (["stress_test.py"], {"LOG_DIR": str(tmp_path / "a_file" / "logs")}, "log dir",
                     "cannot create"),
         # something that accepts connections but never answers: a TCPStore client alone would wait
@@ -5107,7 +5139,8 @@ def launch_script(tmp_path, source, *args, env_extra=None, popen=False, name="wo
 
 
 def test_a_failed_worker_is_restarted_and_the_run_finishes(tmp_path):
-    result = launch_script(tmp_path, FAILS_ON_FIRST_ATTEMPT)
+    # a script other than a trainer is restarted only when asked: it has no checkpoint to resume
+    result = launch_script(tmp_path, FAILS_ON_FIRST_ATTEMPT, env_extra={"MAX_RESTARTS": "3"})
     assert result.returncode == 0, result.stdout + result.stderr
     assert "rank 1 finished attempt 1" in result.stdout \
         and "rank 0 finished attempt 1" in result.stdout
