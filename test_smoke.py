@@ -4944,6 +4944,27 @@ def test_launch_dry_run_prints_the_torchrun_command(env, expected, tmp_path):
     assert result.stdout.strip().endswith("train_ddp.py train.max_steps=3")
 
 
+@pytest.mark.parametrize("slurm, scontrol, message", [
+    ({"SLURM_NTASKS_PER_NODE": "8", "SLURM_JOB_NODELIST": "gpu[07-08]"}, "echo gpu07",
+     "srun --ntasks-per-node=1"),
+    ({}, '[ -n "$3" ] && echo gpu07', "scontrol named no first node"),  # no SLURM_JOB_NODELIST
+    ({"SLURM_JOB_NODELIST": "gpu[07-08]"}, "echo 'Unable to contact slurm controller' >&2; exit 1",
+     "scontrol named no first node"),
+])
+def test_launch_under_half_set_slurm_variables_fails_in_one_line(slurm, scontrol, message,
+                                                                 tmp_path):
+    (tmp_path / "scontrol").write_text(f"#!/bin/sh\n{scontrol}\n")
+    (tmp_path / "scontrol").chmod(0o755)
+    clean = {key: value for key, value in os.environ.items() if key not in TOPOLOGY}
+    env = {**clean, "SLURM_JOB_ID": "77", "SLURM_JOB_NUM_NODES": "2", "SLURM_NODEID": "0", **slurm,
+           "PATH": f"{tmp_path}:{os.environ['PATH']}"}
+    result = subprocess.run(["bash", "launch.sh", "--dry-run"], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "FAIL:" in result.stdout and message in result.stdout, \
+        result.stdout + result.stderr
+    assert "unbound variable" not in result.stderr
+
+
 def test_launch_restarts_and_checks_only_our_trainers_keeps_paths_as_given_and_has_help(tmp_path):
     """A user's own train_mine.py is launched as is, once (its --check would have run it); a
     renamed copy of ours is ours; a path names that file, not this repository's of that name."""
