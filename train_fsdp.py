@@ -201,6 +201,7 @@ def main():
     if cfg.export:  # every rank sends its shards; rank 0 alone holds the whole model, in CPU memory
         full_model = gather_full_model(raw_model, reader)
     if rank == 0 and cfg.export:
+        shutil.rmtree(Path(cfg.out_dir) / "final", ignore_errors=True)  # no earlier export's files
         reader.export(full_model, data_dir, meta, Path(cfg.out_dir) / "final", cfg,
                       torch.device("cpu"))
     dist.barrier()  # ranks leave together: one that leaves during rank 0's export can abort at exit
@@ -1643,19 +1644,24 @@ def catch_stop_signals(requested):
 
 
 def open_metrics(out_dir, step):
-    """metrics.jsonl, kept across restarts less the records past `step`: those steps run again."""
+    """metrics.jsonl, kept across restarts less the records past `step`: those steps run again.
+    A run from step 0 moves another run's records aside, where they stay."""
     path = out_dir / "metrics.jsonl"
     if (out_dir / "final").exists() and not (out_dir / "final").is_dir():
         die(f"{out_dir / 'final'} is a file, where the export goes -> move it, or set out_dir")
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         if path.exists():
-            kept = []
-            for line in path.read_text().splitlines():
+            kept, lines = [], path.read_text().splitlines()
+            for line in lines:
                 with contextlib.suppress(json.JSONDecodeError):  # a line cut short by a crash goes
                     record = json.loads(line)
                     if record.get("kind") == "start" or record.get("step", 0) <= step:
                         kept.append(line + "\n")
+            if step == 0 and len(kept) < len(lines):
+                kept, aside = [], out_dir / f"metrics-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
+                shutil.copyfile(path, aside)
+                log0(f"note: {path} held records past step 0 (an earlier run's): copied to {aside}")
             temporary = out_dir / f".metrics-{os.getpid()}.jsonl"
             temporary.write_text("".join(kept))
             os.replace(temporary, path)
