@@ -3012,6 +3012,16 @@ def test_a_load_error_whose_first_line_ends_in_a_colon_says_the_next_line_too():
     assert "size mismatch for weight" in train_ddp.first_line(raised.value)
 
 
+def test_a_model_type_given_beside_a_pretrained_model_of_another_type_is_refused(trained_run,
+                                                                                  data_dir,
+                                                                                  tmp_path):
+    out, _ = trained_run  # its export: a gpt2
+    error, _ = train_in_process(f"data.dir={data_dir}", f"model.pretrained={out}/final",
+                                "model.type=llama", "train.max_steps=1", f"out_dir={tmp_path}",
+                                f"checkpoint.dir={tmp_path}/ckpt")
+    assert f"model.type=llama, but model.pretrained={out}/final is a gpt2" in error
+
+
 def test_a_new_run_in_an_old_out_dir_keeps_the_old_records_aside_and_replaces_the_export(
         data_dir, tmp_path):
     args = [f"data.dir={data_dir}", *TINY_MODEL, "train.max_steps=2", "log.every=1",
@@ -6458,7 +6468,7 @@ def test_functions_both_trainers_define_are_the_same_source_but_fsdps_own():
 
 
 # Lines per file: a budget against growth.
-FILE_BUDGET = {"train_ddp.py": 2794, "train_fsdp.py": 2455}
+FILE_BUDGET = {"train_ddp.py": 2798, "train_fsdp.py": 2459}
 # What each trainer defines above its marker line, in reading order, and nothing else: all a learner
 # needs to understand training a causal LM with DDP (or FSDP).
 LESSON = {

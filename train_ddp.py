@@ -1109,6 +1109,9 @@ def text_config(cfg, meta):
     """A language model's config: the pretrained model's, or a new one of the shape in model.*."""
     if cfg.model.pretrained:
         config = load_pretrained_config(cfg.model.pretrained)
+        if cfg.model.type not in (DEFAULTS["model"]["type"], config.model_type):  # given, unmet
+            die(f"model.type={cfg.model.type}, but model.pretrained={cfg.model.pretrained} is a "
+                f"{config.model_type} -> leave model.type out with model.pretrained")
         if getattr(config, "max_position_embeddings", cfg.train.seq_len) < cfg.train.seq_len:
             die(f"{cfg.model.pretrained} knows {config.max_position_embeddings} positions, "
                 f"train.seq_len is {cfg.train.seq_len} -> lower train.seq_len")
@@ -2166,7 +2169,8 @@ def check_classes(train_state, meta, path, cfg):
     classes = train_state.get("classes", meta.get("classes"))
     if classes != meta.get("classes"):
         die(f"checkpoint {path} was trained on the classes {classes}, {cfg.data.dir} has "
-            f"{meta.get('classes')} -> give its data.dir, or another checkpoint.dir")
+            f"{meta.get('classes') or 'none (text)'} -> give its data.dir, or another "
+            "checkpoint.dir")
 
 
 # ============================================================================== images: end
