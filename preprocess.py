@@ -296,7 +296,7 @@ def train_tokenizer(documents, vocab_size, length):
 
 def cut_long_runs(text):
     """Long words cut for training alone (encoding takes them whole): BPE training's time grows
-    faster than the square of a word's length (base64, DNA: 200k letters 13 s, 2 MB over 5 min)."""
+    faster than the square of a word's length (200k random letters: 13 s; 2 MB: over 5 min)."""
     if max(map(len, text.split()), default=0) < LONG_RUN:  # faster than the regex on most texts
         return text
     return re.sub(rf"\S{{{LONG_RUN}}}", r"\g<0>\n", text)
@@ -553,9 +553,9 @@ def is_up_to_date(out, input_fingerprint, force):
         return False
     try:
         meta = json.loads((out / "meta.json").read_text())
-        written = {meta["tokenizer_file"]} if "tokenizer_file" in meta else set()
-        written |= {meta.get("token_frequencies_file", "meta.json"), "meta.json",
-                    *(name for split in meta["splits"].values() for name in split["files"])}
+        shards = [name for split in meta["splits"].values() for name in split["files"]]
+        written = {"meta.json", *shards, *filter(None, [meta.get("tokenizer_file"),
+                                                        meta.get("token_frequencies_file")])}
     except (ValueError, OSError, AttributeError, KeyError, TypeError):
         meta, written = {}, {"meta.json"}
     missing = [name for name in sorted(written)

@@ -1120,7 +1120,7 @@ def text_config(cfg, meta):
     """A language model's config: the pretrained model's, or a new one of the shape in model.*."""
     if cfg.model.pretrained:
         config = load_pretrained_config(cfg.model.pretrained)
-        if cfg.model.type not in (DEFAULTS["model"]["type"], config.model_type):  # given, unmet
+        if cfg.model.type not in (DEFAULTS["model"]["type"], config.model_type):  # given, other
             die(f"model.type={cfg.model.type}, but model.pretrained={cfg.model.pretrained} is a "
                 f"{config.model_type} -> leave model.type out with model.pretrained")
         if getattr(config, "max_position_embeddings", cfg.train.seq_len) < cfg.train.seq_len:
@@ -1372,7 +1372,7 @@ def hold_directory(ckpt_dir, writing):
 
 
 def find_resume_checkpoint(ckpt_dir, resume):
-    """auto: the newest intact checkpoint (`latest` first, damaged ones skipped); never; a path."""
+    """auto: the newest intact checkpoint (damaged ones skipped); never; a path."""
     for leftover in [*ckpt_dir.glob(".tmp-step_*"), *ckpt_dir.glob(".latest-*")]:
         log0(f"removing {leftover}, left by a run that stopped while writing a checkpoint")
         shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
@@ -1385,7 +1385,7 @@ def find_resume_checkpoint(ckpt_dir, resume):
         die(f"{ckpt_dir} already holds checkpoints ({existing[-1].name}), checkpoint.resume=never "
             "would overwrite them -> use checkpoint.resume=auto, or another checkpoint.dir")
     if resume in ("auto", "never"):
-        try:  # a name in ckpt_dir, written after the rename: a stale listing may lack that one
+        try:  # the name of the checkpoint written last, counted with the listing
             pointed = [ckpt_dir / (ckpt_dir / "latest").read_text().strip()]
         except (OSError, UnicodeDecodeError):
             pointed = []
@@ -1648,7 +1648,7 @@ def catch_stop_signals(requested):
 
 def open_metrics(out_dir, step):
     """metrics.jsonl, kept across restarts less the records past `step`: those steps run again.
-    A run from step 0 moves another run's records aside, where they stay."""
+    A run from step 0 first copies an earlier run's records aside."""
     path = out_dir / "metrics.jsonl"
     if (out_dir / "final").exists() and not (out_dir / "final").is_dir():
         die(f"{out_dir / 'final'} is a file, where the export goes -> move it, or set out_dir")
