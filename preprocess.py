@@ -104,11 +104,11 @@ def list_sources(paths, extensions):
             die(f"input {given} is not a file or a folder -> write it to a file first")
         else:
             die(f"input {given} does not exist -> check the path")
-        for path in found:
-            repeated += path.resolve() in seen
-            if path.resolve() not in seen:
+        for path, real in ((path, path.resolve()) for path in found):
+            repeated += real in seen
+            if real not in seen:
                 sources.append((given if given.is_dir() else given.parent, path))
-                seen.add(path.resolve())
+                seen.add(real)
     if repeated:
         say(f"note: {repeated} input files were given twice (or reached by two paths): each is "
             "read once")
@@ -215,7 +215,7 @@ def columnar_documents(path, relpath, column, stats):
             table = open_arrow_table(path)
             schema, total_rows = table.schema, table.num_rows
     except (pa.ArrowException, OSError) as error:
-        die(f"cannot read {path}: {error} -> check that it is a valid Parquet or Arrow file")
+        cannot_read_table(path, error)
     if column not in schema.names:
         die(f"{path} has no column {column!r} (it has {', '.join(schema.names)}) "
             "-> pass --column NAME")
@@ -238,8 +238,13 @@ def columnar_documents(path, relpath, column, stats):
                     yield f"{relpath}:{row_index}", text, len(text.encode())
                 row_index += 1
     except (pa.ArrowException, OSError, UnicodeDecodeError) as error:  # a damaged page, bad UTF-8
-        die(f"cannot read {path} after row {row_index}: {str(error).splitlines()[0]} -> check "
-            "that it is a valid Parquet or Arrow file")
+        cannot_read_table(path, error, row_index)
+
+
+def cannot_read_table(name, error, rows_read=None):
+    after = "" if rows_read is None else f" after row {rows_read}"
+    reason = (str(error).strip() or type(error).__name__).splitlines()[0]
+    die(f"cannot read {name}{after}: {reason} -> check that it is a valid Parquet or Arrow file")
 
 
 def chunks(documents):
@@ -1124,7 +1129,7 @@ def table_source(root, relpaths):
             else:
                 schema = open_arrow_table(path).schema
         except (pa.ArrowException, OSError) as error:
-            die(f"cannot read {path}: {error} -> check that it is a valid Parquet or Arrow file")
+            cannot_read_table(shown(path), error)
         tables.append((path, relpath, schema))
     path, _, schema = tables[0]
     image_column = find_image_column(schema)
@@ -1236,8 +1241,7 @@ def read_column(path, name):
             return pq.read_table(path, columns=[name]).column(0).combine_chunks()
         return open_arrow_table(path).column(name).combine_chunks()
     except (pa.ArrowException, OSError) as error:  # a damaged page
-        die(f"cannot read {shown(path)}: {str(error).splitlines()[0]} -> check that it is a valid "
-            "Parquet or Arrow file")
+        cannot_read_table(shown(path), error)
 
 
 def table_items(used, image_column, label_column, label_of):
@@ -1258,8 +1262,7 @@ def table_items(used, image_column, label_column, label_of):
                     yield f"{relpath}:{row_index}", label_of[label], split, data
                     row_index += 1
         except (pa.ArrowException, OSError) as error:  # a damaged page
-            die(f"cannot read {shown(path)} after row {row_index}: {str(error).splitlines()[0]} "
-                "-> check that it is a valid Parquet or Arrow file")
+            cannot_read_table(shown(path), error, row_index)
 
 
 def digits_source():

@@ -259,8 +259,9 @@ def init_distributed(timeout_s):
 PROGRESS = {"time": time.monotonic(), "doing": "start"}
 
 
-def beat(doing):
-    PROGRESS.update(time=time.monotonic(), doing=doing)
+def beat(doing=None):
+    """Progress, with what is being done now (None: the same as before)."""
+    PROGRESS.update(time=time.monotonic(), doing=doing or PROGRESS["doing"])
 
 
 def start_watchdog(timeout_s, rank):
@@ -431,7 +432,7 @@ def time_iterations(run_once, before_last, iters, device):
         started = time.perf_counter()
         run_once()
         seconds.append(time.perf_counter() - started)
-        beat(PROGRESS["doing"])  # a slow row that progresses is no hang
+        beat()  # a slow row that progresses is no hang
     return sum(seconds) / iters, seconds
 
 
@@ -449,7 +450,7 @@ def run_row(op, size_bytes, args, device, rank, world_size, corrupt):
     wrong = check()
     for _ in range(args.warmup):
         run_collective(op, input_buffer, output_buffer)
-        beat(f"{op} at {size_bytes} B")
+        beat()
     # all_reduce sums in place, so after many iterations the buffer holds huge numbers: refill
     # before the last one and check that its result is still exact
     mean_s, seconds = time_iterations(lambda: run_collective(op, input_buffer, output_buffer),

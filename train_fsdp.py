@@ -935,7 +935,7 @@ def die(message):
 
 
 def first_line(error):
-    """An exception's first line, for a one-line message (some exceptions have an empty text)."""
+    """An exception's first line (and the next, after a ':'), for a one-line message."""
     lines = str(error).strip().splitlines() or [type(error).__name__]
     return " ".join(lines[:2] if lines[0].endswith(":") else lines[:1])[:300]
 
@@ -1650,7 +1650,7 @@ def open_metrics(out_dir, step):
     """metrics.jsonl, kept across restarts less the records past `step`: those steps run again.
     A run from step 0 first copies an earlier run's records aside."""
     path = out_dir / "metrics.jsonl"
-    if (out_dir / "final").exists() and not (out_dir / "final").is_dir():
+    if (out_dir / "final").exists() and not (out_dir / "final").is_dir():  # now, not after training
         die(f"{out_dir / 'final'} is a file, where the export goes -> move it, or set out_dir")
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
