@@ -2897,6 +2897,21 @@ def test_mismatched_model_shape_is_refused_on_resume(trained_run, data_dir, tmp_
     assert "model.n_layer=2" in error and "model.n_layer=3" in error
 
 
+@pytest.mark.parametrize("trainer", ["train_ddp.py", "train_fsdp.py"])
+def test_a_changed_seq_len_is_refused_on_resume_naming_the_key(trainer, trained_run, fsdp_run,
+                                                                 data_dir, tmp_path):
+    """A new model has train.seq_len positions and the data position counts samples of it: a resume
+    at another length fails on the weights (for FSDP in the sharded load) or reads other data."""
+    out, steps = (trained_run[0], EIGHT_STEPS) if trainer == "train_ddp.py" else \
+        (fsdp_run[0], FSDP_STEPS)
+    error, _ = train_in_process(f"data.dir={data_dir}", *steps, "train.seq_len=32",
+                                f"checkpoint.resume={out}/ckpt/step_000004", f"out_dir={tmp_path}",
+                                f"checkpoint.dir={tmp_path}/c",
+                                trainer=importlib.import_module(Path(trainer).stem))
+    assert error and "was trained with train.seq_len=64, this run has train.seq_len=32 -> pass " \
+        "train.seq_len=64" in error, error
+
+
 def test_resuming_with_data_of_another_vocabulary_says_which_vocabularies_differ(
         trained_run, data_dir, corpus_dir, tmp_path):
     other = tmp_path / "other_data"
@@ -3397,6 +3412,30 @@ def test_a_holder_that_died_never_blocks_the_directory(tmp_path):
         os.kill(holder, signal.SIGKILL)  # as kill -9 or a crash would
         os.waitpid(holder, 0)
     assert train_ddp.hold_directory(tmp_path, True) is not None
+
+
+def test_a_second_run_on_an_out_dir_in_use_stops_before_it_touches_the_metrics(tmp_path):
+    """Two runs with one out_dir but their own checkpoint.dir (or none) would interleave
+    metrics.jsonl and each export over the other's: the second stops. A dead holder blocks
+    nothing."""
+    (tmp_path / "metrics.jsonl").write_text('{"kind": "start", "step": 0}\n{"step": 5}\n')
+
+    def hold():
+        metrics = train_ddp.open_metrics(tmp_path, 5)
+        print("held" if metrics else "not held", flush=True)
+        time.sleep(60)
+
+    holder, output = fork(hold)
+    try:
+        assert output.readline().strip() == "held"
+        with pytest.raises(train_ddp.UserError, match=f"{tmp_path} is in use by another run"):
+            train_ddp.open_metrics(tmp_path, 0)
+        assert '{"step": 5}' in (tmp_path / "metrics.jsonl").read_text()  # not copied aside
+    finally:
+        os.kill(holder, signal.SIGKILL)
+        os.waitpid(holder, 0)
+    train_ddp.open_metrics(tmp_path, 0).close()
+    assert list(tmp_path.glob("metrics-*.jsonl"))
 
 
 @pytest.fixture()
@@ -6468,7 +6507,7 @@ def test_functions_both_trainers_define_are_the_same_source_but_fsdps_own():
 
 
 # Lines per file: a budget against growth.
-FILE_BUDGET = {"train_ddp.py": 2798, "train_fsdp.py": 2459}
+FILE_BUDGET = {"train_ddp.py": 2809, "train_fsdp.py": 2470}
 # What each trainer defines above its marker line, in reading order, and nothing else: all a learner
 # needs to understand training a causal LM with DDP (or FSDP).
 LESSON = {

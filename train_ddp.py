@@ -1311,10 +1311,12 @@ def report_memory(setup, step, optimizer, predicted):
 # -------------------------------------------------------------- 6. the checkpoint's safety details
 
 CHECKPOINT_FILES = ["model.pt", "optimizer.pt", "train_state.pt", "checksums.json"]
-# keys that shape the model, so a resumed run must share them, and the value before a key existed
+# keys that shape the model, so a resumed run must share them, and the value before a key existed;
+# train.seq_len too: a new model has as many positions, and the data position counts its samples
 MODEL_KEYS = {"model.type": None, "model.n_layer": None, "model.n_head": None,
               "model.n_embd": None, "model.pretrained": None, "model.intermediate_size": 0,
-              "model.tie_word_embeddings": "auto", "model.embedding_gpu_rows": 0}
+              "model.tie_word_embeddings": "auto", "model.embedding_gpu_rows": 0,
+              "train.seq_len": None}
 LOAD_ERRORS = (OSError, RuntimeError, KeyError, ValueError, EOFError, TypeError,
                pickle.UnpicklingError)
 
@@ -1645,6 +1647,13 @@ def open_metrics(out_dir, step):
         die(f"{out_dir / 'final'} is a file, where the export goes -> move it, or set out_dir")
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
+        lock = open(out_dir / ".metrics.lock", "a")  # one run per out_dir: held with the metrics
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            die(f"{out_dir} is in use by another run -> wait for it to end, or set another out_dir")
+        except OSError:  # a filesystem without locks
+            pass
         if path.exists():
             kept, lines = [], path.read_text().splitlines()
             for line in lines:
@@ -1659,7 +1668,9 @@ def open_metrics(out_dir, step):
             temporary = out_dir / f".metrics-{os.getpid()}.jsonl"
             temporary.write_text("".join(kept))
             os.replace(temporary, path)
-        return open(path, "a")
+        metrics = open(path, "a")
+        metrics.lock = lock
+        return metrics
     except OSError as error:
         die(f"cannot write {path} ({error}) -> set out_dir to a writable directory")
 
