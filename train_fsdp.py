@@ -786,6 +786,8 @@ def load_config(args, use_cuda):
                 die(f"{name}: in {config_path} is not a section -> indent its `section.key: value` "
                     "lines below it")
             presets[name] = section or {}
+            for key, value in flatten(presets[name]).items():  # a typo fails on any machine
+                typed(flat, key, value, f" in {name}")
         for key, value in flatten(tree).items():
             if not (value is None and isinstance(DEFAULTS.get(key), dict)):  # an empty section
                 flat[key] = typed(flat, key, value, " in the config file")
