@@ -443,7 +443,7 @@ show_held_back() { if [ -f "$HELD_BACK" ]; then cat "$HELD_BACK" >&2; fi; }
 
 # torchrun's own messages go to a file and, through tail (GNU: --pid) and the filter above, to
 # stderr: its summary of a failure names the rank that failed first, which the report below needs.
-echo "launching: ${TORCHRUN[*]}"
+printf "launching:"; printf " %q" "${TORCHRUN[@]}"; echo  # quoted: a line to copy and run
 STARTING=1  # a signal from here on is passed on once torchrun's PID is known
 # LAUNCH_RUN marks torchrun and its workers, not this script: lost_workers finds them by it
 LAUNCH_RUN=$RUN_LOG_DIR "${TORCHRUN[@]}" 2>>"$RUN_LOG_DIR/torchrun.log" &

@@ -44,6 +44,7 @@ import os
 import random
 import re
 import runpy
+import shlex
 import shutil
 import signal
 import socket
@@ -5238,6 +5239,17 @@ def launch_script(tmp_path, source, *args, env_extra=None, popen=False, name="wo
         return subprocess.Popen(command, cwd=REPO, env={**os.environ, **env},
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     return run(command, env_extra=env, timeout=120)
+
+
+def test_the_launching_line_is_a_command_to_copy_with_each_argument_quoted(tmp_path):
+    """A value with a space (log.sample_prompt=def f) must read back as one argument."""
+    result = launch_script(tmp_path, "import sys\nprint('argv', sys.argv[1:])\n", "a b", "it's",
+                           env_extra={"NPROC_PER_NODE": "1"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    line = next(line for line in result.stdout.splitlines() if line.startswith("launching: "))
+    command = shlex.split(line.removeprefix("launching: "))
+    assert command[-3:] == [str(tmp_path / "worker.py"), "a b", "it's"], line
+    assert "argv ['a b', \"it's\"]" in result.stdout
 
 
 def test_a_failed_worker_is_restarted_and_the_run_finishes(tmp_path):
