@@ -20,6 +20,7 @@ meta.json adds the class names and the train split's mean and std per channel.
 """
 import argparse
 import codecs
+import errno
 import hashlib
 import itertools
 import json
@@ -592,6 +593,8 @@ def remove_leftovers(out):
 
 def cannot_build(error, out):
     what = error.strerror or str(error) or type(error).__name__  # shutil's errors have no strerror
+    if error.errno == errno.EMFILE:  # each decoding process holds pipes
+        return f"{what} -> pass fewer --workers, or raise the open-file limit (ulimit -n)"
     return (f"{what}{f': {error.filename}' if error.filename else ''} -> check that the inputs are "
             f"readable and that {out.parent} is a writable directory with room to spare")
 

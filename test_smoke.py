@@ -1235,6 +1235,20 @@ def test_images_without_a_source_are_sklearns_digits_in_data_digits_at_32_pixels
     assert meta["skipped"] == {"count": 0, "examples": []}
 
 
+def test_more_workers_than_the_open_file_limit_allows_is_one_line_that_says_so(tmp_path):
+    import resource
+    folder, out = tmp_path / "folder", tmp_path / "out"
+    make_image_folder(folder, trees=("",), per_class=(4,))
+    result = subprocess.run(
+        [sys.executable, "preprocess.py", "--images", folder, "--out", out, "--image-size", "16",
+         "--workers", "200"], cwd=REPO, capture_output=True, text=True, timeout=120,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64)))
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        "error: Too many open files -> pass fewer --workers, or raise the open-file limit "
+        "(ulimit -n)"], result.stderr
+    assert not out.exists() and not list(tmp_path.glob("out.*"))
+
+
 def bad_images_args(case, tmp_path):
     """Arguments for one foreseeable mistake with --images, its files made in tmp_path."""
     folder = tmp_path / "folder"
