@@ -3393,6 +3393,43 @@ def test_stop_signals_within_a_minute_repeat_the_first_and_a_later_one_stops_at_
     assert "stopped at once by a second SIGTERM" in output and "no checkpoint" in output
 
 
+CTRL_C_IN = """import ast, os, signal, sys
+sys.path.insert(0, {repo!r})
+import {trainer} as trainer
+original = getattr(trainer, {function!r})
+def interrupted(*args, **kwargs):  # Ctrl-C reaches the process as it enters this function
+    os.kill(os.getpid(), signal.SIGINT)
+    return original(*args, **kwargs)
+setattr(trainer, {function!r}, interrupted)
+source = open(trainer.__file__).read()
+ending = ast.Module(body=[ast.parse(source).body[-1]], type_ignores=[])  # if __name__ == "__main__"
+sys.argv[0], trainer.__name__ = "{trainer}.py", "__main__"
+exec(compile(ending, trainer.__file__, "exec"), vars(trainer))
+"""
+
+
+@pytest.mark.parametrize("trainer", ["train_ddp", "train_fsdp"])
+@pytest.mark.parametrize("function", ["build_model", "validate"])
+def test_ctrl_c_in_setup_is_one_line_and_in_the_first_validation_a_stop_with_a_checkpoint(
+        trainer, function, data_dir, tmp_path):
+    """Before the stop handler (building the model) nothing is trained: one line, exit 130. From
+    the step-0 validation on it is a stop: step 1 ends, its checkpoint is written, exit 3."""
+    wrapper = tmp_path / "wrapper.py"
+    wrapper.write_text(CTRL_C_IN.format(repo=str(REPO), trainer=trainer, function=function))
+    result = run([sys.executable, wrapper, f"data.dir={data_dir}", *EIGHT_STEPS,
+                  f"out_dir={tmp_path}/out", f"checkpoint.dir={tmp_path}/ckpt"], timeout=180)
+    assert "Traceback" not in result.stderr, result.stderr
+    if function == "build_model":
+        assert result.returncode == 130, result.stdout + result.stderr
+        assert result.stderr.strip().splitlines()[-1] == \
+            "stopped by Ctrl-C before the first step: nothing was saved"
+        assert not (tmp_path / "ckpt").exists() or not list((tmp_path / "ckpt").glob("step_*"))
+    else:
+        assert result.returncode == train_ddp.EXIT_STOPPED, result.stdout + result.stderr
+        assert "stopped at step 1 by a stop signal; checkpoint" in result.stderr
+        assert (tmp_path / "ckpt" / "step_000001").is_dir()
+
+
 def test_a_second_run_on_a_checkpoint_dir_in_use_stops_at_once_and_the_first_run_ends_as_if_alone(
         trained_run, data_dir, tmp_path):
     """A requeued job, or a typo, starts a second run on the directory of one still running: the
