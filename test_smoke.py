@@ -2235,6 +2235,33 @@ def test_masked_lm_compiles_one_graph_for_all_padded_lengths(data_dir, tmp_path,
     assert sorted(graphs) == [False, True, True], graphs  # no_grad: the evaluation's model graph
 
 
+def test_bert_as_a_causal_lm_sees_no_later_token_in_training_or_in_its_export(data_dir, tmp_path):
+    """An encoder attends both ways unless its config says it is a decoder: as a causal LM it would
+    learn to copy the next token, and its export would too."""
+    from transformers import AutoModelForCausalLM
+    seen = []
+    real_step = train_ddp.train_step
+
+    def first_logits(model, batches, *args):  # the model as the step runs it
+        ids = batches[0][0]["inputs"]["input_ids"][:1, :8]
+        with torch.no_grad():
+            seen.append((model(input_ids=ids).logits[:, :4], model(input_ids=ids[:, :4]).logits))
+        return real_step(model, batches, *args)
+
+    with unittest.mock.patch.object(train_ddp, "train_step", first_logits):
+        error, _ = train_in_process(f"data.dir={data_dir}", "model.type=bert", "model.task=causal",
+                                    *TINY_MODEL, "model.dropout=0.0", "train.max_steps=2",
+                                    "train.global_batch_size=4", "train.micro_batch_size=4",
+                                    "checkpoint.every=0", "log.sample_tokens=4",
+                                    f"out_dir={tmp_path}")
+    assert error is None, error
+    assert seen and all(torch.allclose(longer, prefix, atol=1e-5) for longer, prefix in seen)
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "final").eval()
+    ids = torch.randint(5, 400, (1, 8))
+    with torch.no_grad():
+        assert torch.allclose(exported(ids).logits[:, :4], exported(ids[:, :4]).logits, atol=1e-5)
+
+
 # ---- train_ddp.py: model and attention -----------------------------------------------------------
 
 def test_log_names_the_real_model_type_of_a_pretrained_model(data_dir, tmp_path):
@@ -6586,7 +6613,7 @@ def test_functions_both_trainers_define_are_the_same_source_but_fsdps_own():
 
 
 # Lines per file: a budget against growth.
-FILE_BUDGET = {"train_ddp.py": 2811, "train_fsdp.py": 2472}
+FILE_BUDGET = {"train_ddp.py": 2812, "train_fsdp.py": 2473}
 # What each trainer defines above its marker line, in reading order, and nothing else: all a learner
 # needs to understand training a causal LM with DDP (or FSDP).
 LESSON = {

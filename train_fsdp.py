@@ -1115,6 +1115,7 @@ def model_config(cfg, reader, meta):
     if cfg.model.tie_word_embeddings != "auto":  # auto: the model's own (gpt2, bert tie; llama not)
         config.tie_word_embeddings = cfg.model.tie_word_embeddings == "true"
     config.use_cache = False  # a key/value cache serves generation only; training would build one
+    config.is_decoder = reader.task == "causal"  # else an encoder (BERT) as a causal LM sees ahead
     return config
 
 
