@@ -4226,8 +4226,9 @@ def test_vit_launch_prepares_the_digits_and_logs_images_per_second_and_accuracy(
 def test_vit_resume_continues_bitwise_identically_with_the_same_crops_and_flips(vit_run, tmp_path):
     copy, _ = vit_run
     shutil.copytree(copy / "out/ckpt/step_000003", tmp_path / "ckpt/step_000003")
+    # seq_len as on a GPU, where cpu_preset's 128 does not apply: images have none
     torchrun(2, "train_ddp.py", *VIT_STEPS, f"data.dir={copy}/data/digits", f"out_dir={tmp_path}",
-             f"checkpoint.dir={tmp_path}/ckpt")
+             f"checkpoint.dir={tmp_path}/ckpt", "train.seq_len=1024")
     uninterrupted, resumed = losses(copy / "out"), losses(tmp_path)
     assert sorted(resumed) == [4, 5, 6] and all(resumed[step] == uninterrupted[step]
                                                 for step in resumed)

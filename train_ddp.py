@@ -605,7 +605,7 @@ def load_train_state(path, scheduler, scaler, cfg, meta):
                 "on, or start afresh in another checkpoint.dir")
         for key, before_it_existed in MODEL_KEYS.items():
             saved = saved_config.get(key, before_it_existed)
-            if saved != this_config[key]:
+            if saved != this_config[key] and (vocab_size or key != "train.seq_len"):  # text only
                 die(f"checkpoint {path} was trained with {key}={saved}, this run has "
                     f"{key}={this_config[key]} -> pass {key}={saved}, or a new checkpoint.dir")
         scheduler.load_state_dict(train_state["scheduler"])
@@ -1315,7 +1315,7 @@ def report_memory(setup, step, optimizer, predicted):
 
 CHECKPOINT_FILES = ["model.pt", "optimizer.pt", "train_state.pt", "checksums.json"]
 # keys that shape the model, so a resumed run must share them, and the value before a key existed;
-# train.seq_len too: a new model has as many positions, and the data position counts its samples
+# train.seq_len too, for text: a new model has as many positions; the data position counts samples
 MODEL_KEYS = {"model.type": None, "model.n_layer": None, "model.n_head": None,
               "model.n_embd": None, "model.pretrained": None, "model.intermediate_size": 0,
               "model.tie_word_embeddings": "auto", "model.embedding_gpu_rows": 0,
