@@ -1739,7 +1739,7 @@ def export_final(raw_model, data_dir, meta, final_dir, cfg, device):
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=core, eos_token=names["eot"], bos_token=names["eot"],
         pad_token=names["pad"], mask_token=names["mask"], cls_token=names["cls"],
-        sep_token=names["sep"])
+        sep_token=names["sep"], model_max_length=raw_model.config.max_position_embeddings)
     untier(raw_model, device)  # tiered
     raw_model.config.use_cache = True  # off for training (model_config); generation wants it
     if raw_model.config._attn_implementation == "sdpa_causal":  # ignores padding: not for others
@@ -1827,6 +1827,7 @@ def masked_lm_reader(cfg, reader):
 class MaskedTokens(ArrowTokens):
     """Sample i is document i, cut to L - 2 as [CLS] doc [SEP]; padded and masked as BERT's."""
     task, model_class, sdpa = "mlm", transformers.AutoModelForMaskedLM, "sdpa"  # sdpa: it masks
+    export = staticmethod(lambda *args: export_masked_lm(*args))  # defined below
 
     def __init__(self, data_dir, meta, split, seq_len):
         super().__init__(data_dir, meta, split, seq_len)
@@ -1894,6 +1895,18 @@ class MaskedTokens(ArrowTokens):
                 return len(lengths) * padded, sum(length * length for length in lengths)
             return len(lengths) * padded, len(lengths) * padded * padded
         return model_flops_counter(raw_model, shape_of)
+
+
+def export_masked_lm(raw_model, data_dir, meta, final_dir, cfg, device):
+    """export_final, with a tokenizer that wraps text in [CLS] ... [SEP] as every sample was."""
+    from tokenizers.processors import TemplateProcessing
+    export_final(raw_model, data_dir, meta, final_dir, cfg, device)
+    core, ids = Tokenizer.from_file(str(final_dir / "tokenizer.json")), meta["special_tokens"]
+    cls, sep = core.id_to_token(ids["cls"]), core.id_to_token(ids["sep"])
+    core.post_processor = TemplateProcessing(
+        single=f"{cls} $A {sep}", pair=f"{cls} $A {sep} $B:1 {sep}:1",
+        special_tokens=[(cls, ids["cls"]), (sep, ids["sep"])])
+    core.save(str(final_dir / "tokenizer.json"))
 
 
 def masked_lm_loss(loss_of, cfg, reader):
