@@ -43,6 +43,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import transformers
 import yaml
+from safetensors import SafetensorError
 from tokenizers import Tokenizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
@@ -927,7 +928,7 @@ def die(message):
 
 def first_line(error):
     """An exception's first line (and the next, after a ':'), for a one-line message."""
-    lines = str(error).strip().splitlines() or [type(error).__name__]
+    lines = [line.strip() for line in str(error).strip().splitlines()] or [type(error).__name__]
     return " ".join(lines[:2] if lines[0].endswith(":") else lines[:1])[:300]
 
 
@@ -1129,6 +1130,8 @@ def text_config(cfg, meta):
     except ValueError as error:
         die(f"model.type={cfg.model.type} is not a transformers model type "
             f"({first_line(error)}) -> use e.g. gpt2, llama, bert or roberta")
+    except Exception as error:  # transformers' own checks of the values, as RoPE's of head_dim
+        die(f"model.* make no valid {cfg.model.type} ({first_line(error)}) -> change what it names")
     if hasattr(config, "intermediate_size"):  # those that have one default to their own, larger
         config.intermediate_size = cfg.model.intermediate_size or 4 * cfg.model.n_embd
     if hasattr(config, "num_key_value_heads"):
@@ -1139,8 +1142,11 @@ def text_config(cfg, meta):
 def build_model(cfg, reader, meta, device):
     """A new model from a transformers config, or a local pretrained one; fp32 master weights."""
     config, model_class = model_config(cfg, reader, meta), reader.model_class
-    attention = choose_attention(cfg.model.attention, device, reader.sdpa,
-                                 model_class._model_mapping.get(type(config), None))
+    architecture = model_class._model_mapping.get(type(config), None)
+    if architecture is None:  # t5 as a causal LM, gpt2 as a masked LM
+        die(f"transformers has no {model_class.__name__.removeprefix('AutoModelFor')} of type "
+            f"{config.model_type} -> use a model.type that has one, like gpt2 or bert")
+    attention = choose_attention(cfg.model.attention, device, reader.sdpa, architecture)
     if not cfg.model.pretrained:
         model = model_class.from_config(config, attn_implementation=attention, dtype=torch.float32)
         return model, attention
@@ -1149,7 +1155,7 @@ def build_model(cfg, reader, meta, device):
                                             dtype=torch.float32, attn_implementation=attention,
                                             local_files_only=True,
                                             ignore_mismatched_sizes=True)  # a head for other labels
-    except (OSError, ValueError) as error:
+    except (*LOAD_ERRORS, SafetensorError) as error:  # a damaged or foreign weights file too
         die(f"cannot load model.pretrained={cfg.model.pretrained} ({first_line(error)}) -> give a "
             "directory written by save_pretrained")
     reader.adapt_pretrained(model, cfg, meta)
