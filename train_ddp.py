@@ -650,8 +650,9 @@ def validate(model, val_data, setup, step):
     dist.all_reduce(sums)
     model.train()
     loss_sum, correct, labels = sums.tolist()
-    val_loss, val_accuracy = loss_sum / max(1, labels), correct / max(1, labels)
-    log0(f"step {step} | val loss {val_loss:.4f} | accuracy {100 * val_accuracy:.2f}%")
+    val_loss, val_accuracy = (loss_sum / labels, correct / labels) if labels else (None, None)
+    log0(f"step {step} | val loss {val_loss:.4f} | accuracy {100 * val_accuracy:.2f}%" if labels
+         else f"step {step} | val loss n/a: no label to predict in the validation batches")
     write_metrics(setup, {"kind": "val", "step": step, "val_loss": val_loss,
                           "val_accuracy": val_accuracy})
 
@@ -2022,6 +2023,9 @@ def image_reader(cfg, reader):
 def vit_config(cfg, meta):
     """A ViT of model.*'s shape for meta.json's images and classes, or model.pretrained's."""
     size, classes = meta["image_size"], meta["classes"]
+    if cfg.train.crop_padding > size:  # F.pad would make each image (size + 2 x padding)^2
+        die(f"train.crop_padding={cfg.train.crop_padding} is more than the images' {size} pixels "
+            f"-> give at most {size}")
     labels = dict(num_labels=len(classes), id2label=dict(enumerate(classes)),
                   label2id={name: i for i, name in enumerate(classes)})
     if cfg.model.pretrained:
@@ -2032,7 +2036,9 @@ def vit_config(cfg, meta):
                 f"{config.image_size}")
         config.update(labels)
         return config
-    patch = cfg.model.patch_size or min(16, size // 4)  # 16 as ViT-B/16; 4 x 4 patches at least
+    # the largest patch up to 16 (ViT-B/16) that divides the images into 4 x 4 patches or more
+    patch = cfg.model.patch_size or max(
+        [side for side in range(1, min(16, size // 4) + 1) if size % side == 0], default=0)
     if patch == 0:
         die(f"the images are {size} pixels, too few for 4 x 4 patches -> prepare them with "
             "--image-size 4 or more")
