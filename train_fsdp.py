@@ -1131,6 +1131,11 @@ def text_config(cfg, meta):
         if getattr(config, "max_position_embeddings", cfg.train.seq_len) < cfg.train.seq_len:
             die(f"{cfg.model.pretrained} knows {config.max_position_embeddings} positions, "
                 f"train.seq_len is {cfg.train.seq_len} -> lower train.seq_len")
+        theirs = Path(cfg.model.pretrained, "tokenizer.json")  # other ids, same text: noise
+        if theirs.is_file() and Tokenizer.from_file(str(theirs)).get_vocab() != Tokenizer.from_file(
+                str(Path(cfg.data.dir, meta["tokenizer_file"]))).get_vocab():
+            die(f"{cfg.model.pretrained} has another tokenizer than {cfg.data.dir} -> prepare the "
+                f"data with it: python preprocess.py --tokenizer {theirs} --out NEW_DIR")
         return config
     special = meta["special_tokens"]
     try:
