@@ -1860,7 +1860,13 @@ def masked_lm_reader(cfg, reader):
     model_type = load_pretrained_config(cfg.model.pretrained).model_type if cfg.model.pretrained \
         else cfg.model.type
     masked = cfg.model.task == "auto" and model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES
-    return MaskedTokens if cfg.model.task == "mlm" or masked else reader
+    if cfg.model.task == "mlm" or masked:
+        return MaskedTokens
+    for key in ["train.mlm_probability", "train.pad_to_multiple"]:  # not silently unused
+        if config_dict(cfg)[key] != flatten(DEFAULTS)[key]:
+            die(f"{key}={config_dict(cfg)[key]} applies to masked LMs, and this run trains none "
+                f"-> leave it at {flatten(DEFAULTS)[key]}")
+    return reader
 
 
 class MaskedTokens(ArrowTokens):
@@ -2037,15 +2043,17 @@ def image_reader(cfg, reader):
     """ArrowImages for a ViT, refusing what does not apply to images; else reader."""
     model_type = image_model_type(cfg.model.type, cfg.model.pretrained)
     if model_type is None:
+        for key in ["model.patch_size", "train.crop_padding", "train.hflip"]:  # not silently unused
+            if config_dict(cfg)[key] != flatten(DEFAULTS)[key]:
+                die(f"{key}={config_dict(cfg)[key]} applies to image models, and this run trains "
+                    f"none -> leave it at {flatten(DEFAULTS)[key]}")
         return reader
     if model_type != "vit":
         die(f"model.type={model_type}: the image path trains ViT models -> use model.type=vit")
     values, defaults = config_dict(cfg), flatten(DEFAULTS)
     for key, reason in [("model.task", "an image model classifies"),
                         ("model.embedding_gpu_rows", "a ViT has no token embedding"),
-                        ("model.tie_word_embeddings", "a ViT has no token embedding"),
-                        ("train.mlm_probability", "a masked-LM setting"),
-                        ("train.pad_to_multiple", "a masked-LM setting")]:
+                        ("model.tie_word_embeddings", "a ViT has no token embedding")]:
         if key in values and values[key] != defaults[key]:  # the other parts' keys, where here
             die(f"{key}={values[key]} does not apply to images ({reason}) -> leave it at "
                 f"{defaults[key]}")
