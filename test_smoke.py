@@ -3192,6 +3192,11 @@ def test_the_end_of_a_run_cannot_fail_after_training_on_the_sample_or_the_tokeni
                                       f"checkpoint.dir={tmp_path}/c/ckpt")
     assert error is None and "no sample: log.sample_tokens=0" in printed, error
     assert (tmp_path / "c" / "final" / "config.json").is_file()
+    error, printed = train_in_process(f"data.dir={data_dir}", *TINY_MODEL, "train.max_steps=1",
+                                      f"log.sample_prompt={'word ' * 100}", f"out_dir={tmp_path}/d",
+                                      f"checkpoint.dir={tmp_path}/d/ckpt")
+    assert error is None and re.search(r"no sample: .* and the prompt's \d+ tokens leave 0 of the "
+                                       "model's positions", printed), error
 
 
 def test_ranks_that_do_not_share_checkpoint_dir_are_stopped_before_training(data_dir, tmp_path):

@@ -1792,8 +1792,8 @@ def export_final(raw_model, data_dir, meta, final_dir, cfg, device):
         room = raw_model.config.max_position_embeddings - prompt.shape[1]
         new_tokens = min(cfg.log.sample_tokens, room)
         if new_tokens < 1:
-            return log0(f"no sample: log.sample_tokens={cfg.log.sample_tokens}, and the prompt "
-                        f"leaves {room} of the model's positions")
+            return log0(f"no sample: log.sample_tokens={cfg.log.sample_tokens}, and the prompt's "
+                        f"{prompt.shape[1]} tokens leave {max(0, room)} of the model's positions")
         with torch.no_grad():
             generated = raw_model.generate(prompt, attention_mask=torch.ones_like(prompt), top_k=40,
                                            max_new_tokens=new_tokens, do_sample=True,
