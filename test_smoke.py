@@ -2253,7 +2253,7 @@ def test_bert_as_a_causal_lm_sees_no_later_token_in_training_or_in_its_export(da
                                     *TINY_MODEL, "model.dropout=0.0", "train.max_steps=2",
                                     "train.global_batch_size=4", "train.micro_batch_size=4",
                                     "checkpoint.every=0", "log.sample_tokens=4",
-                                    f"out_dir={tmp_path}")
+                                    f"out_dir={tmp_path}", f"checkpoint.dir={tmp_path}/ckpt")
     assert error is None, error
     assert seen and all(torch.allclose(longer, prefix, atol=1e-5) for longer, prefix in seen)
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "final").eval()
@@ -2270,7 +2270,7 @@ def test_a_masked_lm_export_tokenizes_text_as_its_training_samples_were(data_dir
     error, _ = train_in_process(f"data.dir={data_dir}", "model.type=bert", *TINY_MODEL,
                                 "train.max_steps=1", "train.global_batch_size=4",
                                 "train.micro_batch_size=4", "checkpoint.every=0",
-                                f"out_dir={tmp_path}")
+                                f"out_dir={tmp_path}", f"checkpoint.dir={tmp_path}/ckpt")
     assert error is None, error
     meta = json.loads((data_dir / "meta.json").read_text())
     ids, text = meta["special_tokens"], "def main(argv):\n    return 0"
@@ -2293,7 +2293,8 @@ def test_a_masked_lm_export_tokenizes_text_as_its_training_samples_were(data_dir
 ])
 def test_a_setting_of_another_kind_of_model_is_refused_not_silently_unused(args, message, data_dir,
                                                                            tmp_path):
-    error, _ = train_in_process(f"data.dir={data_dir}", *TINY_MODEL, *args, f"out_dir={tmp_path}")
+    error, _ = train_in_process(f"data.dir={data_dir}", *TINY_MODEL, *args, f"out_dir={tmp_path}",
+                                f"checkpoint.dir={tmp_path}/ckpt")
     assert error and message in error, error
 
 
@@ -2302,7 +2303,8 @@ def test_validation_with_no_label_to_predict_says_so_instead_of_a_loss_of_zero(d
     error, printed = train_in_process(f"data.dir={data_dir}", "model.type=bert", *TINY_MODEL,
                                       "train.mlm_probability=1e-9", "train.max_steps=1",
                                       "train.global_batch_size=4", "train.micro_batch_size=4",
-                                      "checkpoint.every=0", "export=false", f"out_dir={tmp_path}")
+                                      "checkpoint.every=0", "export=false", f"out_dir={tmp_path}",
+                                      f"checkpoint.dir={tmp_path}/ckpt")
     assert error is None, error
     assert "step 1 | val loss n/a: no label to predict in the validation batches" in printed
     assert [record["val_loss"] for record in read_metrics(tmp_path, "val")] == [None, None]
@@ -2341,7 +2343,7 @@ def test_bad_model_settings_are_one_line_errors(override, fragment, data_dir, tm
     if "model.pretrained=" in override and override.endswith(("FILE", "CUT")):
         from transformers import AutoConfig, AutoModelForCausalLM
         AutoModelForCausalLM.from_config(AutoConfig.for_model(
-            "gpt2", vocab_size=448, n_embd=32, n_layer=1, n_head=2, n_positions=64)
+            "gpt2", vocab_size=448, n_embd=32, n_layer=2, n_head=2, n_positions=64)
         ).save_pretrained(tmp_path / "saved")
         weights = tmp_path / "saved" / "model.safetensors"
         weights.write_bytes(weights.read_bytes()[:1000])
@@ -2350,6 +2352,32 @@ def test_bad_model_settings_are_one_line_errors(override, fragment, data_dir, tm
     error, _ = train_in_process(f"data.dir={data_dir}", *TINY_MODEL, *override.split(),
                                 f"out_dir={tmp_path}", f"checkpoint.dir={tmp_path}/ckpt")
     assert error and fragment in error, error
+
+
+def test_a_shape_given_beside_a_pretrained_model_is_refused_where_it_differs_and_no_preset_sets_one(
+        tmp_path, capsys):
+    """model.pretrained keeps its own shape: another model.n_layer would go unused, and the CPU
+    preset's small shape is not applied to it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "gpt2", vocab_size=128, n_embd=32, n_layer=1, n_head=2, n_positions=64)
+    ).save_pretrained(tmp_path / "gpt2")
+    meta = {"vocab_size": 128, "special_tokens": dict(zip(SPECIAL_ROLES, range(5)))}
+    refused = f"model.n_layer=3, but model.pretrained={tmp_path / 'gpt2'} has 1 -> leave " \
+        "model.n_layer out"
+    for args, error in [(["model.n_layer=3"], refused),
+                        (["model.n_layer=1", "model.n_embd=32"], None), ([], None)]:
+        cfg = train_ddp.load_config([f"model.pretrained={tmp_path / 'gpt2'}", "train.seq_len=64",
+                                     *args], use_cuda=False)
+        if not args:
+            assert (cfg.model.n_layer, cfg.model.n_embd) == (12, 768)  # untouched by cpu_preset
+            assert "model.n_layer" not in capsys.readouterr().out
+        if error:
+            with pytest.raises(train_ddp.UserError, match=re.escape(error)):
+                train_ddp.build_model(cfg, train_ddp.ArrowTokens, meta, torch.device("cpu"))
+        else:
+            model, _ = train_ddp.build_model(cfg, train_ddp.ArrowTokens, meta, torch.device("cpu"))
+            assert model.config.n_layer == 1
 
 
 def test_untying_a_pretrained_tied_model_starts_its_output_layer_as_a_copy(tmp_path):
@@ -3282,7 +3310,7 @@ def test_a_pretrained_model_of_another_tokenizer_than_the_data_is_refused_and_th
         .returncode == 0
     args = [f"model.pretrained={out}/final", *TINY_MODEL, "train.max_steps=1",
             "train.global_batch_size=16", "train.micro_batch_size=8", "checkpoint.every=0",
-            "export=false", f"out_dir={tmp_path}/out"]
+            "export=false", f"out_dir={tmp_path}/out", f"checkpoint.dir={tmp_path}/ckpt"]
     error, _ = train_in_process(f"data.dir={other}", *args)
     assert error and f"{out}/final has another tokenizer than {other} -> prepare the data with " \
         f"it: python preprocess.py --tokenizer {out}/final/tokenizer.json --out NEW_DIR" in error
@@ -6710,7 +6738,7 @@ def test_functions_both_trainers_define_are_the_same_source_but_fsdps_own():
 
 
 # Lines per file: a budget against growth.
-FILE_BUDGET = {"train_ddp.py": 2850, "train_fsdp.py": 2511}
+FILE_BUDGET = {"train_ddp.py": 2859, "train_fsdp.py": 2520}
 # What each trainer defines above its marker line, in reading order, and nothing else: all a learner
 # needs to understand training a causal LM with DDP (or FSDP).
 LESSON = {

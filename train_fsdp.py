@@ -767,6 +767,9 @@ for kind, pattern, first_chars in [
                                        first_chars)
 # the trainer's paths: ~ means the home directory there too, not a folder named ~
 PATH_KEYS = ["out_dir", "model.pretrained", "data.dir", "checkpoint.dir", "checkpoint.resume"]
+# what model.pretrained's config.json sets instead, by transformers' common names
+SHAPE_KEYS = {"model.n_layer": "num_hidden_layers", "model.n_head": "num_attention_heads",
+              "model.n_embd": "hidden_size"}
 # preprocess.py's settings: the trainer reads the data as it was written
 PREPROCESS_KEYS = {"data.vocab_size": "--vocab-size", "data.val_fraction": "--val-fraction"}
 
@@ -812,7 +815,8 @@ def load_config(args, use_cuda):
     applied = {}
     for key, value in flatten(preset).items():
         value = typed(flat, key, value, f" in {preset_name}")
-        if flat[key] == defaults[key] and key not in given:  # the file and arguments win
+        own_shape = flat["model.pretrained"] and key in SHAPE_KEYS  # a pretrained model has its own
+        if flat[key] == defaults[key] and key not in given and not own_shape:  # file, arguments win
             flat[key] = applied[key] = value
     if applied:
         log0(f"preset {preset_name}: {', '.join(f'{k}={v}' for k, v in applied.items())} (keys "
@@ -1159,6 +1163,11 @@ def text_config(cfg, meta):
 def build_model(cfg, reader, meta, device):
     """A new model from a transformers config, or a local pretrained one; fp32 master weights."""
     config, model_class = model_config(cfg, reader, meta), reader.model_class
+    for key, name in SHAPE_KEYS.items() if cfg.model.pretrained else []:  # else silently unused
+        value, theirs = config_dict(cfg)[key], getattr(config, name, None)
+        if value != flatten(DEFAULTS)[key] and value != theirs:
+            die(f"{key}={value}, but model.pretrained={cfg.model.pretrained} has {theirs} -> leave "
+                f"{key} out: a pretrained model keeps its shape")
     architecture = model_class._model_mapping.get(type(config), None)
     if architecture is None:  # t5 as a causal LM, gpt2 as a masked LM
         die(f"transformers has no {model_class.__name__.removeprefix('AutoModelFor')} of type "
