@@ -885,9 +885,16 @@ def config_dict(cfg):
                     for key, value in vars(cfg).items()})
 
 
+def not_at_default(cfg, keys):
+    """(key, value, default) of each of `keys` (those this file has) set away from its default."""
+    values, defaults = config_dict(cfg), flatten(DEFAULTS)
+    return [(key, values[key], defaults[key]) for key in keys
+            if key in values and values[key] != defaults[key]]
+
+
 def check_config(cfg, world_size):
     """Every number in range, a global batch that splits evenly: the micro-batches of a step."""
-    values, defaults = config_dict(cfg), flatten(DEFAULTS)
+    values = config_dict(cfg)
     relations = {"at least": operator.ge, "above": operator.gt, "at most": operator.le,
                  "below": operator.lt}
     for key, allowed in RANGES.items():
@@ -895,10 +902,9 @@ def check_config(cfg, world_size):
             relation, _, limit = bound.rpartition(" ")
             if not (relations[relation](values[key], float(limit)) and abs(values[key]) < math.inf):
                 die(f"{key}={values[key]} is out of range -> give it a value {allowed}")
-    for key, reason in NOT_HERE.items():
-        if values[key] != defaults[key]:
-            die(f"{key}={values[key]} is {OTHER_TRAINER}'s ({reason}) -> use {OTHER_TRAINER}, or "
-                f"leave {key} at {defaults[key]}")
+    for key, value, default in not_at_default(cfg, NOT_HERE):
+        die(f"{key}={value} is {OTHER_TRAINER}'s ({NOT_HERE[key]}) -> use {OTHER_TRAINER}, or "
+            f"leave {key} at {default}")
     if cfg.optim.min_lr > cfg.optim.lr:
         die(f"optim.min_lr={cfg.optim.min_lr} is above optim.lr={cfg.optim.lr} -> lower min_lr")
     if not cfg.model.pretrained and cfg.model.n_embd % cfg.model.n_head:
@@ -1163,9 +1169,9 @@ def text_config(cfg, meta):
 def build_model(cfg, reader, meta, device):
     """A new model from a transformers config, or a local pretrained one; fp32 master weights."""
     config, model_class = model_config(cfg, reader, meta), reader.model_class
-    for key, name in SHAPE_KEYS.items() if cfg.model.pretrained else []:  # else silently unused
-        value, theirs = config_dict(cfg)[key], getattr(config, name, None)
-        if value != flatten(DEFAULTS)[key] and value != theirs:
+    for key, value, _ in not_at_default(cfg, SHAPE_KEYS) if cfg.model.pretrained else []:
+        theirs = getattr(config, SHAPE_KEYS[key], None)
+        if value != theirs:  # refused: it would go unused
             die(f"{key}={value}, but model.pretrained={cfg.model.pretrained} has {theirs} -> leave "
                 f"{key} out: a pretrained model keeps its shape")
     architecture = model_class._model_mapping.get(type(config), None)
@@ -1871,10 +1877,10 @@ def masked_lm_reader(cfg, reader):
     masked = cfg.model.task == "auto" and model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES
     if cfg.model.task == "mlm" or masked:
         return MaskedTokens
-    for key in ["train.mlm_probability", "train.pad_to_multiple"]:  # not silently unused
-        if config_dict(cfg)[key] != flatten(DEFAULTS)[key]:
-            die(f"{key}={config_dict(cfg)[key]} applies to masked LMs, and this run trains none "
-                f"-> leave it at {flatten(DEFAULTS)[key]}")
+    unused = not_at_default(cfg, ["train.mlm_probability", "train.pad_to_multiple"])
+    for key, value, default in unused:  # refused, not silently ignored
+        die(f"{key}={value} applies to masked LMs, and this run trains none -> leave it at "
+            f"{default}")
     return reader
 
 
@@ -2052,20 +2058,18 @@ def image_reader(cfg, reader):
     """ArrowImages for a ViT, refusing what does not apply to images; else reader."""
     model_type = image_model_type(cfg.model.type, cfg.model.pretrained)
     if model_type is None:
-        for key in ["model.patch_size", "train.crop_padding", "train.hflip"]:  # not silently unused
-            if config_dict(cfg)[key] != flatten(DEFAULTS)[key]:
-                die(f"{key}={config_dict(cfg)[key]} applies to image models, and this run trains "
-                    f"none -> leave it at {flatten(DEFAULTS)[key]}")
+        unused = not_at_default(cfg, ["model.patch_size", "train.crop_padding", "train.hflip"])
+        for key, value, default in unused:  # refused, not silently ignored
+            die(f"{key}={value} applies to image models, and this run trains none -> leave it at "
+                f"{default}")
         return reader
     if model_type != "vit":
         die(f"model.type={model_type}: the image path trains ViT models -> use model.type=vit")
-    values, defaults = config_dict(cfg), flatten(DEFAULTS)
-    for key, reason in [("model.task", "an image model classifies"),
-                        ("model.embedding_gpu_rows", "a ViT has no token embedding"),
-                        ("model.tie_word_embeddings", "a ViT has no token embedding")]:
-        if key in values and values[key] != defaults[key]:  # the other parts' keys, where here
-            die(f"{key}={values[key]} does not apply to images ({reason}) -> leave it at "
-                f"{defaults[key]}")
+    reasons = {"model.task": "an image model classifies",  # the other parts' keys, where here
+               "model.embedding_gpu_rows": "a ViT has no token embedding",
+               "model.tie_word_embeddings": "a ViT has no token embedding"}
+    for key, value, default in not_at_default(cfg, reasons):
+        die(f"{key}={value} does not apply to images ({reasons[key]}) -> leave it at {default}")
     return ArrowImages
 
 
