@@ -2365,7 +2365,10 @@ def test_a_shape_given_beside_a_pretrained_model_is_refused_where_it_differs_and
     meta = {"vocab_size": 128, "special_tokens": dict(zip(SPECIAL_ROLES, range(5)))}
     refused = f"model.n_layer=3, but model.pretrained={tmp_path / 'gpt2'} has 1 -> leave " \
         "model.n_layer out"
+    other_width = f"model.intermediate_size=64, but model.pretrained={tmp_path / 'gpt2'} has its " \
+        "own -> leave model.intermediate_size out"  # GPT-2 names it n_inner
     for args, error in [(["model.n_layer=3"], refused),
+                        (["model.intermediate_size=64"], other_width),
                         (["model.n_layer=1", "model.n_embd=32"], None), ([], None)]:
         cfg = train_ddp.load_config([f"model.pretrained={tmp_path / 'gpt2'}", "train.seq_len=64",
                                      *args], use_cuda=False)
@@ -2378,6 +2381,25 @@ def test_a_shape_given_beside_a_pretrained_model_is_refused_where_it_differs_and
         else:
             model, _ = train_ddp.build_model(cfg, train_ddp.ArrowTokens, meta, torch.device("cpu"))
             assert model.config.n_layer == 1
+
+
+@pytest.mark.parametrize("model_type, width", [("gpt2", 48), ("llama", 48), ("gpt2", 0),
+                                               ("bloom", 0), ("bloom", 48)])
+def test_model_intermediate_size_shapes_the_mlp_of_every_type_that_has_one_and_else_is_refused(
+        model_type, width):
+    """GPT-2 calls it n_inner; BLOOM's MLP is 4 x width, with no setting: 48 would go unused."""
+    cfg = train_ddp.load_config([f"model.type={model_type}", f"model.intermediate_size={width}",
+                                 "model.n_embd=32", "model.n_head=2"], use_cuda=False)
+    meta = {"vocab_size": 128, "special_tokens": dict(zip(SPECIAL_ROLES, range(5)))}
+    if model_type == "bloom" and width:
+        with pytest.raises(train_ddp.UserError, match="model.type=bloom has no intermediate_size"):
+            train_ddp.text_config(cfg, meta)
+        return
+    model = train_ddp.AutoModelForCausalLM.from_config(train_ddp.text_config(cfg, meta))
+    widths = {module.weight.shape[1] if model_type == "gpt2" else module.out_features
+              for name, module in model.named_modules()
+              if name.endswith(("c_fc", "up_proj", "dense_h_to_4h"))}
+    assert widths == {width or 4 * 32}
 
 
 def test_untying_a_pretrained_tied_model_starts_its_output_layer_as_a_copy(tmp_path):
@@ -4501,6 +4523,11 @@ def test_a_pretrained_vit_gets_a_new_classifier_for_other_classes_and_keeps_its_
     with pytest.raises(train_ddp.UserError, match="trained on 32-pixel images"):
         train_ddp.build_model(cfg, train_ddp.ArrowImages, meta, torch.device("cpu"))
     meta["image_size"] = 32
+    other_patch = train_ddp.load_config([f"model.pretrained={tmp_path / 'vit'}",
+                                         "model.patch_size=4"], use_cuda=False)
+    with pytest.raises(train_ddp.UserError, match="model.patch_size=4, but model.pretrained=.* has "
+                                                  "8 -> leave model.patch_size out"):
+        train_ddp.build_model(other_patch, train_ddp.ArrowImages, meta, torch.device("cpu"))
     for classes, kept, said in [(list("vwxyz"), False, "a new classifier for 5 classes "
                                  "(model.pretrained has 5, other names): it starts from random"),
                                 ([f"LABEL_{i}" for i in range(5)], True,
@@ -6738,7 +6765,7 @@ def test_functions_both_trainers_define_are_the_same_source_but_fsdps_own():
 
 
 # Lines per file: a budget against growth.
-FILE_BUDGET = {"train_ddp.py": 2863, "train_fsdp.py": 2524}
+FILE_BUDGET = {"train_ddp.py": 2868, "train_fsdp.py": 2529}
 # What each trainer defines above its marker line, in reading order, and nothing else: all a learner
 # needs to understand training a causal LM with DDP (or FSDP).
 LESSON = {

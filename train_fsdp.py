@@ -769,7 +769,7 @@ for kind, pattern, first_chars in [
 PATH_KEYS = ["out_dir", "model.pretrained", "data.dir", "checkpoint.dir", "checkpoint.resume"]
 # what model.pretrained's config.json sets instead, by transformers' common names
 SHAPE_KEYS = {"model.n_layer": "num_hidden_layers", "model.n_head": "num_attention_heads",
-              "model.n_embd": "hidden_size"}
+              "model.n_embd": "hidden_size", "model.intermediate_size": "intermediate_size"}
 # preprocess.py's settings: the trainer reads the data as it was written
 PREPROCESS_KEYS = {"data.vocab_size": "--vocab-size", "data.val_fraction": "--val-fraction"}
 
@@ -1159,8 +1159,12 @@ def text_config(cfg, meta):
             f"({first_line(error)}) -> use e.g. gpt2, llama, bert or roberta")
     except Exception as error:  # transformers' own checks of the values, as RoPE's of head_dim
         die(f"model.* make no valid {cfg.model.type} ({first_line(error)}) -> change what it names")
-    if hasattr(config, "intermediate_size"):  # those that have one default to their own, larger
-        config.intermediate_size = cfg.model.intermediate_size or 4 * cfg.model.n_embd
+    mlp = next((name for name in ("intermediate_size", "n_inner") if hasattr(config, name)), "")
+    if mlp:  # the MLP's width (GPT-2's n_inner): the models' own defaults ignore n_embd
+        setattr(config, mlp, cfg.model.intermediate_size or 4 * cfg.model.n_embd)
+    elif cfg.model.intermediate_size:  # refused: it would go unused
+        die(f"model.type={cfg.model.type} has no intermediate_size -> leave "
+            "model.intermediate_size at 0")
     if hasattr(config, "num_key_value_heads"):
         config.num_key_value_heads = cfg.model.n_head
     return config
@@ -1170,7 +1174,7 @@ def build_model(cfg, reader, meta, device):
     """A new model from a transformers config, or a local pretrained one; fp32 master weights."""
     config, model_class = model_config(cfg, reader, meta), reader.model_class
     for key, value, _ in not_at_default(cfg, SHAPE_KEYS) if cfg.model.pretrained else []:
-        theirs = getattr(config, SHAPE_KEYS[key], None)
+        theirs = getattr(config, SHAPE_KEYS[key], "its own")
         if value != theirs:  # refused: it would go unused
             die(f"{key}={value}, but model.pretrained={cfg.model.pretrained} has {theirs} -> leave "
                 f"{key} out: a pretrained model keeps its shape")
@@ -2014,7 +2018,8 @@ def masked_positions(seed, epochs, sample_ids, lengths, width, probability):
 # Image classification with ViT (`preprocess.py --images`). Delete it and the lines tagged # images.
 
 # image models' knobs, as config.yaml gives them
-DEFAULTS["model"]["patch_size"], MODEL_KEYS["model.patch_size"] = 0, 0
+DEFAULTS["model"]["patch_size"] = MODEL_KEYS["model.patch_size"] = 0
+SHAPE_KEYS["model.patch_size"] = "patch_size"  # a pretrained ViT keeps its own
 DEFAULTS["train"].update(crop_padding=4, hflip=False)
 RANGES.update(dict.fromkeys(["model.patch_size", "train.crop_padding"], "at least 0"))
 # a ViT without a GPU: more steps, no random crops, to reach 90% on the digits within minutes
