@@ -782,12 +782,10 @@ def load_config(args, use_cuda):
         for key, value in flatten(tree).items():
             if not (value is None and isinstance(DEFAULTS.get(key), dict)):  # an empty section
                 flat[key] = typed(flat, key, value, " in the config file")
-    given = {}
     for arg in args:
-        key, sep, text = arg.partition("=")
-        if not sep:
+        if "=" not in arg:
             die(f"argument '{arg}' is not key=value -> write it like train.max_steps=100")
-        given[key] = text
+    given = dict(arg.split("=", 1) for arg in args)
     for key, text in given.items():
         if key in PREPROCESS_KEYS:
             log0(f"note: {key} is preprocess.py's ({PREPROCESS_KEYS[key]}): the trainer reads "
@@ -899,17 +897,17 @@ def check_config(cfg, world_size):
     if cfg.dist.reducer == "naive" and cfg.dist.grad_compression != "none":  # DDP
         die("dist.reducer=naive sends fp32 gradients -> "  # DDP
             "dist.reducer=inline or torch for bf16 ones")  # DDP
-    per_round = cfg.train.micro_batch_size * world_size
-    if cfg.train.global_batch_size % per_round:
-        nearest = max(1, round(cfg.train.global_batch_size / per_round)) * per_round
-        per_rank = cfg.train.global_batch_size / world_size
-        smaller = max((m for m in range(1, cfg.train.micro_batch_size) if per_rank % m == 0),
-                      default=0)
+    batch_size, micro_size = cfg.train.global_batch_size, cfg.train.micro_batch_size
+    per_round = micro_size * world_size
+    if batch_size % per_round:
+        nearest = max(1, round(batch_size / per_round)) * per_round
+        per_rank = batch_size / world_size
+        smaller = max((m for m in range(1, micro_size) if per_rank % m == 0), default=0)
         keep = f"train.micro_batch_size={smaller} (the same global batch) or " if smaller else ""
-        die(f"train.global_batch_size={cfg.train.global_batch_size} is not a multiple of "
-            f"train.micro_batch_size x world size = {cfg.train.micro_batch_size} x {world_size} -> "
-            f"use e.g. {keep}train.global_batch_size={nearest}")
-    return cfg.train.global_batch_size // per_round
+        die(f"train.global_batch_size={batch_size} is not a multiple of train.micro_batch_size x "
+            f"world size = {micro_size} x {world_size} -> use e.g. {keep}train.global_batch_size="
+            f"{nearest}")
+    return batch_size // per_round
 
 
 # ----------------------------------------------------------------------------- 2. distributed init
@@ -978,9 +976,8 @@ def read_meta(data_dir, reader):
         version = meta.get("format_version") if isinstance(meta, dict) else None
         die(f"{path} has format version {version}, this trainer reads 1 -> rebuild it: {rebuild}")
     splits = meta.get("splits")
-    if not (isinstance(splits, dict) and all(isinstance(splits.get(s), dict) and
-                                             isinstance(splits[s].get("files"), list)
-                                             for s in ("train", "val"))):
+    if not all(isinstance(splits, dict) and isinstance(splits.get(s), dict)
+               and isinstance(splits[s].get("files"), list) for s in ("train", "val")):
         die(f"{path} lacks splits.train/val.files -> rebuild it: {rebuild}")
     if meta.get("kind", "text") != reader.kind:
         die(f"{data_dir} holds {meta.get('kind', 'text')}, the model reads {reader.kind} -> "
@@ -1051,8 +1048,7 @@ class ArrowTokens:
             filled, piece = filled + len(taken), piece + 1
         return out
 
-    def length(self, index):
-        """The input tokens of sample `index`, without reading its tokens."""
+    def length(self, index):  # the input tokens of sample `index`, without reading its tokens
         return self.seq_len
 
     def sample(self, index):
@@ -1176,10 +1172,9 @@ def build_model(cfg, reader, meta, device):
         model = model_class.from_config(config, attn_implementation=attention, dtype=torch.float32)
         return model, attention
     try:
-        model = model_class.from_pretrained(cfg.model.pretrained, config=config,
-                                            dtype=torch.float32, attn_implementation=attention,
-                                            local_files_only=True,
-                                            ignore_mismatched_sizes=True)  # a head for other labels
+        model = model_class.from_pretrained(
+            cfg.model.pretrained, config=config, dtype=torch.float32, local_files_only=True,
+            attn_implementation=attention, ignore_mismatched_sizes=True)  # a head for other labels
     except (*LOAD_ERRORS, SafetensorError) as error:  # a damaged or foreign weights file too
         die(f"cannot load model.pretrained={cfg.model.pretrained} ({first_line(error)}) -> give a "
             "directory written by save_pretrained")
@@ -1251,7 +1246,7 @@ def residual_in_bf16(model, dtype):
 
 
 def model_flops_counter(raw_model, shape_of):
-    """Micro-batches' sample lengths -> model FLOPs (PaLM's count): 6 per matmul weight, position;
+    """Micro-batches' sample lengths -> PaLM's model FLOPs: 6 per matmul weight and position,
     12 x width per query-key pair and layer; shape_of(lengths) gives (positions, pairs)."""
     matmul_params, config = count_matmul_params(raw_model), raw_model.config
     return lambda micro_batch_lengths: sum(
