@@ -870,8 +870,7 @@ def flatten(tree, prefix=""):
     flat = {}
     for key, value in tree.items():
         if not isinstance(key, str):  # `1: 2` or `true: 1` in a config file
-            die(f"'{prefix}{key}' in the config file is not a key name -> write the names of "
-                "config.yaml")
+            die(f"'{prefix}{key}' in the config file is not a key name -> use config.yaml's names")
         flat.update(flatten(value, f"{prefix}{key}.") if isinstance(value, dict) else
                     {prefix + key: value})
     return flat
@@ -1201,13 +1200,11 @@ def build_model(cfg, reader, meta, device):
 def choose_attention(requested, device, sdpa, architecture=None):
     """auto: FlashAttention-2 where flash_attn imports on a GPU of compute capability 8.0+; else the
     reader's sdpa; eager for model classes transformers runs without SDPA."""
-    supports = {kind: getattr(architecture, f"_supports_{kind}", True)
-                for kind in ("sdpa", "flash_attn")}
     usable = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0) and \
-        flash_attn_available() and supports["flash_attn"]
+        flash_attn_available() and getattr(architecture, "_supports_flash_attn", True)
     if requested == "auto" and usable:
         return "flash_attention_2"
-    if requested == "auto" and not supports["sdpa"]:
+    if requested == "auto" and not getattr(architecture, "_supports_sdpa", True):
         return "eager"
     if requested == "auto" and sdpa != "sdpa":
         # transformers' "sdpa" builds an all-true mask under torch.compile, and SDPA runs no flash
