@@ -1374,8 +1374,7 @@ def hold_directory(ckpt_dir, writing):
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        lock.seek(0)
-        holder = lock.read().strip() or "holder unknown"
+        holder = (ckpt_dir / ".lock").read_text().strip() or "holder unknown"
         die(f"{ckpt_dir} is in use by another run ({holder}) -> wait for it to end or stop it, or "
             "give this run another checkpoint.dir")
     except OSError as error:  # a filesystem without locks
@@ -1408,8 +1407,7 @@ def find_resume_checkpoint(ckpt_dir, resume):
             pointed = []
         candidates = {p for p in pointed if p.parent == ckpt_dir and is_complete(p)} | {*existing}
         for candidate in sorted(candidates, key=step_of, reverse=True):
-            damage = checksum_mismatch(candidate)
-            if damage is None:
+            if (damage := checksum_mismatch(candidate)) is None:
                 return candidate
             log0(f"warning: {candidate} is damaged ({damage}); trying the next older checkpoint")
         if existing:
@@ -1418,8 +1416,7 @@ def find_resume_checkpoint(ckpt_dir, resume):
     if not is_complete(Path(resume)):
         die(f"checkpoint.resume={resume} is not a complete checkpoint directory (needs "
             f"{', '.join(CHECKPOINT_FILES)}) -> give a step_* directory, auto or never")
-    damage = checksum_mismatch(Path(resume))
-    if damage:
+    if damage := checksum_mismatch(Path(resume)):
         die(f"checkpoint.resume={resume} is damaged ({damage}) -> give another step_* directory")
     newer = [p.name for p in existing if step_of(p) > step_of(Path(resume))]
     if newer:  # this run's checkpoints would interleave with them, and pruning could delete them
@@ -1521,8 +1518,7 @@ def changed_settings(saved_config, cfg):
     """`key old -> new` for the training settings that differ from the checkpoint's."""
     not_a_change = ("out_dir", "export", "data.dir", "checkpoint.", "log.", "dist.")
     return [f"{key} {saved_config[key]} -> {value}" for key, value in config_dict(cfg).items()
-            if key in saved_config and saved_config[key] != value
-            and not key.startswith(not_a_change)]
+            if saved_config.get(key, value) != value and not key.startswith(not_a_change)]
 
 
 def weights_are_finite(raw_model):
@@ -1648,8 +1644,7 @@ def stop_message(cfg, step):
 
 
 def catch_stop_signals(requested):
-    """SIGTERM and SIGINT ask for a clean stop after the same step on every rank, with a checkpoint;
-    signals within STOP_REPEAT_S of the first repeat it, a later one stops at once."""
+    """SIGTERM and SIGINT: a clean stop after the same step on every rank, with a checkpoint."""
 
     def on_signal(number, frame):
         if requested and time.monotonic() - requested[0][1] > STOP_REPEAT_S:
@@ -1666,8 +1661,7 @@ def catch_stop_signals(requested):
 
 
 def open_metrics(out_dir, step):
-    """metrics.jsonl, kept across restarts less the records past `step`: those steps run again.
-    A run from step 0 first copies an earlier run's records aside."""
+    """metrics.jsonl, kept across restarts less the records past `step`: those steps run again."""
     path = out_dir / "metrics.jsonl"
     if (out_dir / "final").exists() and not (out_dir / "final").is_dir():  # now, not after training
         die(f"{out_dir / 'final'} is a file, where the export goes -> move it, or set out_dir")
@@ -1746,12 +1740,12 @@ PEAK_BF16_TFLOPS = {"NVIDIA H200": 989, "NVIDIA H100 80GB HBM3": 989, "NVIDIA H1
 
 def peak_flops_per_gpu(device, peak_tflops):
     """FLOP/s that 100% MFU stands for, or None (no MFU shown) on CPUs and GPUs not in the table."""
-    if device.type != "cuda" or peak_tflops:
-        return peak_tflops * 1e12 if device.type == "cuda" else None
+    if device.type != "cuda":
+        return None
     name = torch.cuda.get_device_name(device)
-    if name not in PEAK_BF16_TFLOPS:
-        log0(f"note: no MFU: '{name}' is not in PEAK_BF16_TFLOPS -> set log.peak_tflops")
-    return PEAK_BF16_TFLOPS[name] * 1e12 if name in PEAK_BF16_TFLOPS else None
+    if not peak_tflops and name not in PEAK_BF16_TFLOPS:
+        return log0(f"note: no MFU: '{name}' is not in PEAK_BF16_TFLOPS -> set log.peak_tflops")
+    return (peak_tflops or PEAK_BF16_TFLOPS[name]) * 1e12
 
 
 def export_final(raw_model, data_dir, meta, final_dir, cfg, device):
