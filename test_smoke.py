@@ -292,6 +292,11 @@ def train_in_process(*args, env=None, trainer=train_ddp):
     runs it, without the seconds a new interpreter spends importing torch and transformers. Returns
     (the error message or None, the printout). The `error:` line and exit code of a real process are
     tested by the subprocess tests."""
+    given, scratch = {str(arg).partition("=")[0] for arg in args}, None
+    if "--check" not in given:  # never a checkout's own out/: a run there would resume from it
+        scratch = Path(tempfile.mkdtemp(prefix="train-in-process-"))
+        args = (*args, *([f"out_dir={scratch}"] if "out_dir" not in given else []),
+                *([f"checkpoint.dir={scratch}/ckpt"] if "checkpoint.dir" not in given else []))
     saved_argv, saved_env = sys.argv, dict(os.environ)
     saved_handlers = {number: signal.getsignal(number)
                       for number in (signal.SIGTERM, signal.SIGINT)}
@@ -314,6 +319,8 @@ def train_in_process(*args, env=None, trainer=train_ddp):
             signal.signal(number, handler)
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+        if scratch:
+            shutil.rmtree(scratch, ignore_errors=True)
     return error, printed.getvalue()
 
 
